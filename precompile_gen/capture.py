@@ -1,0 +1,367 @@
+"""Capture: trace ``fn(*example_inputs)`` into one ATen graph with make_fx.
+
+Every ``nn.Module`` argument has its parameters and buffers lifted to graph inputs by
+functional reparametrisation, so the graph takes ``[*params, *buffers, *user_leaves]``
+and nothing live is baked in. If ``fn`` runs a backward, the parameters' gradients are
+harvested as extra trailing outputs. The trace runs on copies of the example tensors:
+capture never changes the example model, its buffers, its ``.grad`` fields or the
+example inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils import stateless
+
+from precompile_gen.capture_result import Backend, DimBounds, Shape
+from precompile_gen.errors import PrecompileError
+
+
+@dataclass
+class ModuleState:
+    """The modules' parameters then buffers, each tensor once (tied weights are one
+    entry), with the names and per-module bindings used to reparametrise them."""
+
+    tensors: list[torch.Tensor]
+    param_names: list[str]
+    buffer_names: list[str]
+    # (module index, attribute path, index into ``tensors``) for every name, aliases
+    # of tied weights included, so each module can be reparametrised completely.
+    bindings: list[tuple[int, str, int]]
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_names)
+
+
+@dataclass
+class TracedGraph:
+    """The captured graph and its calling convention (still holding torch objects)."""
+
+    gm: torch.fx.GraphModule
+    # The tensors the graph was traced on, in graph-input order; lowering needs them.
+    flat_args: list[object]
+    fn_name: str
+    module_positions: list[int]
+    num_positional_args: int
+    state: ModuleState
+    grad_param_indices: list[int]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    user_input_shapes: list[Shape | None]
+    user_input_dtypes: list[str | None]
+    user_input_devices: list[str | None]
+    user_input_bounds: list[DimBounds | None]
+
+
+def lift_module_state(modules: list[torch.nn.Module]) -> ModuleState:
+    """All modules' parameters, then all modules' buffers, interned by identity.
+
+    The artifact's driver re-derives the same list from the runtime model; the order
+    (``named_parameters(remove_duplicate=False)``, then buffers) is the calling
+    convention and must match it exactly.
+    """
+    tensors: list[torch.Tensor] = []
+    index_of: dict[int, int] = {}
+    bindings: list[tuple[int, str, int]] = []
+    names: dict[str, list[str]] = {"parameters": [], "buffers": []}
+    prefix = len(modules) > 1
+    for kind in ("parameters", "buffers"):
+        for mi, module in enumerate(modules):
+            members = (
+                module.named_parameters(remove_duplicate=False)
+                if kind == "parameters"
+                else module.named_buffers(remove_duplicate=False)
+            )
+            for name, tensor in members:
+                if id(tensor) not in index_of:
+                    index_of[id(tensor)] = len(tensors)
+                    tensors.append(tensor)
+                    names[kind].append(f"m{mi}.{name}" if prefix else name)
+                bindings.append((mi, name, index_of[id(tensor)]))
+    return ModuleState(tensors, names["parameters"], names["buffers"], bindings)
+
+
+def trace(
+    fn: Callable[..., object],
+    example_inputs: tuple[object, ...],
+    *,
+    backend: Backend,
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
+) -> TracedGraph:
+    """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
+    fn_name = getattr(fn, "__name__", type(fn).__name__)
+    module_positions = [
+        i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
+    ]
+    modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
+    state = lift_module_state(modules)
+    user_inputs = tuple(
+        a for i, a in enumerate(example_inputs) if i not in module_positions
+    )
+    user_leaves, in_spec = pytree.tree_flatten(user_inputs)
+    bounds = _read_dim_marks(user_leaves, backend)
+
+    flat_args = [_copy_for_trace(t) for t in [*state.tensors, *user_leaves]]
+    num_state = len(state.tensors)
+    harvest: dict[str, Any] = {}
+
+    def flat_fn(flat: list[Any]) -> list[object]:
+        inputs = pytree.tree_unflatten(flat[num_state:], in_spec)
+        with _reparametrized(modules, state, flat[:num_state]):
+            args = _interleave(example_inputs, module_positions, inputs)
+            result = fn(*args)
+        grads = [p.grad for p in flat[: state.num_params]]
+        _reject_stray_grads(state, flat)
+        result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
+        harvest["grad_param_indices"] = [i for i, g in enumerate(grads) if g is not None]
+        return [*result_leaves, *(g for g in grads if g is not None)]
+
+    try:
+        # Grad mode on, so a backward inside fn is recorded as graph ops.
+        with torch.enable_grad():
+            gm = make_fx(flat_fn, decomposition_table=decompositions)(flat_args)
+    except PrecompileError:
+        raise
+    except Exception as error:
+        raise PrecompileError(
+            f"capture failed while tracing {fn_name!r}: {type(error).__name__}: "
+            f"{_first_line(error)}. The function must run on the example inputs as "
+            "written (positional arguments, modules passed as arguments); check that "
+            f"{fn_name}(*example_inputs) runs eagerly."
+        ) from error
+
+    _reject_constants(gm, fn, modules, module_positions)
+    _reject_control_flow(gm)
+    _reject_effectful_ops(gm)
+    return TracedGraph(
+        gm=gm,
+        flat_args=flat_args,
+        fn_name=fn_name,
+        module_positions=module_positions,
+        num_positional_args=len(example_inputs),
+        state=state,
+        grad_param_indices=harvest["grad_param_indices"],
+        in_spec=in_spec,
+        out_spec=harvest["out_spec"],
+        user_input_shapes=[_shape(t) for t in user_leaves],
+        user_input_dtypes=[_dtype(t) for t in user_leaves],
+        user_input_devices=[_device(t) for t in user_leaves],
+        user_input_bounds=bounds,
+    )
+
+
+def _copy_for_trace(value: object) -> object:
+    """A detached copy with the same strides and ``requires_grad``.
+
+    make_fx's real mode runs every op for real, so tracing on the originals would
+    apply fn's side effects (BatchNorm's running stats, in-place input updates, the
+    ``.grad`` a backward writes) to the caller's example model and inputs. The strides
+    are kept because the inductor backend specialises on them.
+    """
+    if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
+        return value
+    tensor = cast(torch.Tensor, value)
+    copy = torch.empty_strided(
+        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device
+    )
+    with torch.no_grad():
+        copy.copy_(tensor)
+    return copy.requires_grad_(tensor.requires_grad)
+
+
+@contextlib.contextmanager
+def _reparametrized(
+    modules: list[torch.nn.Module], state: ModuleState, tensors: list[Any]
+) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for mi, module in enumerate(modules):
+            mapping = {name: tensors[ti] for i, name, ti in state.bindings if i == mi}
+            stack.enter_context(
+                stateless._reparametrize_module(module, mapping, tie_weights=True)
+            )
+        yield
+
+
+def _interleave(
+    example_inputs: tuple[object, ...],
+    module_positions: list[int],
+    user_inputs: tuple[object, ...],
+) -> list[object]:
+    """fn's positional arguments: the modules in place, the user inputs around them."""
+    remaining = iter(user_inputs)
+    return [
+        a if i in module_positions else next(remaining)
+        for i, a in enumerate(example_inputs)
+    ]
+
+
+def _reject_stray_grads(state: ModuleState, flat: list[Any]) -> None:
+    # Only parameter gradients are returned to the caller; any other gradient the
+    # traced backward produced would be silently dropped by the artifact.
+    for name, buffer in zip(state.buffer_names, flat[state.num_params : len(state.tensors)]):
+        if buffer.grad is not None:
+            raise PrecompileError(
+                f"the buffer {name!r} received a gradient (it has requires_grad=True), "
+                "but only parameter gradients are returned by the artifact. Register it "
+                "as an nn.Parameter, or set requires_grad=False on it."
+            )
+    user_leaves = flat[len(state.tensors) :]
+    for index, leaf in enumerate(user_leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
+            raise PrecompileError(
+                f"input leaf {index} (a {tuple(leaf.shape)} tensor) received a "
+                "gradient, but only parameter gradients are returned by the artifact. "
+                "Make it a parameter of a module argument if you need its gradient, "
+                "or pass it with requires_grad=False."
+            )
+
+
+def _read_dim_marks(user_leaves: list[object], backend: Backend) -> list[DimBounds | None]:
+    """Reject dynamic-shape marks the artifact cannot honour; return declared bounds.
+
+    The marks are the private attributes torch._dynamo.decorators stamps on a tensor.
+    """
+    for index, leaf in enumerate(user_leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if getattr(leaf, "_dynamo_dynamic_indices", None):
+            raise PrecompileError(
+                f"input leaf {index} has a mark_dynamic dim, which a precompiled "
+                "artifact cannot honour (it would need guards and recompilation). Mark "
+                "the dim with torch._dynamo.decorators.mark_unbacked instead (inductor "
+                "backend), or leave it static."
+            )
+        if any((getattr(leaf, "_specialize_on", None) or {}).values()):
+            raise PrecompileError(
+                f"input leaf {index} has a specialize_on list: an artifact is one graph, "
+                "not one specialisation per value. Remove specialize_on."
+            )
+        if getattr(leaf, "_dynamo_unbacked_indices", None) or getattr(
+            leaf, "_dynamo_strict_unbacked_indices", None
+        ):
+            raise PrecompileError(
+                f"input leaf {index} has a mark_unbacked dynamic dim, which the "
+                f"{backend} backend does not support yet. Capture with static shapes "
+                "(do not mark the dim)."
+            )
+    return [None] * len(user_leaves)
+
+
+def _reject_constants(
+    gm: torch.fx.GraphModule,
+    fn: Callable[..., object],
+    modules: list[torch.nn.Module],
+    module_positions: list[int],
+) -> None:
+    """A tensor the graph reads that is neither an input nor computed would be baked
+    into the artifact as a constant; name where it came from."""
+    constants = [
+        (node.target, getattr(gm, str(node.target)))
+        for node in gm.graph.find_nodes(op="get_attr")
+    ]
+    constants = [(t, c) for t, c in constants if isinstance(c, torch.Tensor)]
+    if not constants:
+        return
+    origins = _tensor_origins(fn, modules, module_positions)
+    described = []
+    for _, tensor in constants:
+        where = origins.get(
+            id(tensor),
+            "a tensor created inside the function from Python data, e.g. "
+            "torch.tensor([...])",
+        )
+        described.append(f"{where} (shape {tuple(tensor.shape)}, {tensor.dtype})")
+    raise PrecompileError(
+        "the function reads tensors that are neither inputs nor computed from inputs, "
+        "so they would be baked into the artifact as constants: "
+        + "; ".join(described)
+        + ". Pass each one as an argument: register module state with "
+        "register_buffer / nn.Parameter, and create literals outside the function."
+    )
+
+
+def _tensor_origins(
+    fn: Callable[..., object],
+    modules: list[torch.nn.Module],
+    module_positions: list[int],
+) -> dict[int, str]:
+    """Where a closed-over tensor could come from, by identity."""
+    origins: dict[int, str] = {}
+    try:
+        closure = inspect.getclosurevars(fn)
+        scopes = {"global": closure.globals, "closed-over variable": closure.nonlocals}
+    except TypeError:  # builtins and callable objects have no code to inspect
+        scopes = {}
+    for scope, variables in scopes.items():
+        for name, value in variables.items():
+            if isinstance(value, torch.Tensor):
+                origins[id(value)] = f"the {scope} {name!r}"
+    for position, module in zip(module_positions, modules):
+        for path, submodule in module.named_modules():
+            registered = {**submodule._parameters, **submodule._buffers}
+            for name, value in vars(submodule).items():
+                if isinstance(value, torch.Tensor) and name not in registered:
+                    qualified = f"{path}.{name}" if path else name
+                    origins[id(value)] = (
+                        f"the plain attribute {qualified!r} of the module at argument "
+                        f"{position} (not a registered parameter or buffer)"
+                    )
+    return origins
+
+
+def _reject_control_flow(gm: torch.fx.GraphModule) -> None:
+    # torch.cond and friends trace into nested GraphModules that the artifact's single
+    # flat graph cannot carry.
+    subgraphs = [
+        str(node.target)
+        for node in gm.graph.find_nodes(op="get_attr")
+        if isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule)
+    ]
+    if subgraphs:
+        raise PrecompileError(
+            "the function uses a control-flow operator (torch.cond, torch.while_loop, "
+            f"...) whose branches were captured as subgraphs {subgraphs}; an artifact "
+            "holds one flat graph, so these are not supported. Compute both branches "
+            "and select with torch.where, or branch in Python (the trace then follows "
+            "the example's path)."
+        )
+
+
+def _reject_effectful_ops(gm: torch.fx.GraphModule) -> None:
+    from torch._higher_order_ops.effects import _get_effect
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if _get_effect(node.target) is not None:
+                raise PrecompileError(
+                    f"the function calls the effectful operator {node.target} (it has "
+                    "side effects that must be ordered, such as printing), which "
+                    "cannot be captured into a functional artifact. Move it out of the "
+                    "function."
+                )
+
+
+def _shape(leaf: object) -> Shape | None:
+    return tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None
+
+
+def _dtype(leaf: object) -> str | None:
+    return str(leaf.dtype) if isinstance(leaf, torch.Tensor) else None
+
+
+def _device(leaf: object) -> str | None:
+    return str(leaf.device) if isinstance(leaf, torch.Tensor) else None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"

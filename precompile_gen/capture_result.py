@@ -1,0 +1,96 @@
+"""``CaptureResult``: the plain data that flows from capture to the renderer.
+
+Everything the renderer needs is here as ``str``/``int``/``list``/``tuple``/``dict``
+values (and the cache payload as ``bytes``), so a test can build one by hand and render
+it without tracing anything. Field names match the artifact's metadata constants
+(``param_names`` is emitted as ``PARAM_NAMES``, and so on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["eager", "inductor"]
+BACKENDS: tuple[Backend, ...] = ("inductor", "eager")
+
+# One shape per tensor leaf; a dynamic (mark_unbacked) dim is None.
+Shape = tuple[int | None, ...]
+# Per marked dim: the declared (min, max) sizes, either of which may be unset.
+DimBounds = dict[int, tuple[int | None, int | None]]
+
+# The artifact's metadata constants, in emission order. ``parse_metadata`` requires
+# every one of them; ``CaptureResult.metadata`` yields them from the fields.
+METADATA_NAMES: tuple[str, ...] = (
+    "BACKEND",
+    "MODULE_POSITIONS",
+    "NUM_POSITIONAL_ARGS",
+    "PARAM_NAMES",
+    "BUFFER_NAMES",
+    "PARAM_SHAPES",
+    "BUFFER_SHAPES",
+    "PARAM_DTYPES",
+    "BUFFER_DTYPES",
+    "PARAM_DEVICES",
+    "BUFFER_DEVICES",
+    "GRAD_PARAM_INDICES",
+    "IN_SPEC",
+    "OUT_SPEC",
+    "USER_INPUT_SHAPES",
+    "USER_INPUT_DTYPES",
+    "USER_INPUT_DEVICES",
+    "USER_INPUT_BOUNDS",
+)
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """What one capture produced: calling-convention metadata plus the graph text.
+
+    The metadata fields are aligned lists: ``param_*`` with ``param_names``,
+    ``buffer_*`` with ``buffer_names`` and ``user_input_*`` with the flattened user
+    inputs. A ``None`` entry in a ``user_input_*`` list marks a non-tensor leaf.
+    """
+
+    backend: Backend
+    # The traced function's ``__name__``, shown in the artifact's header.
+    fn_name: str
+
+    # Calling convention, emitted as the artifact's metadata constants.
+    module_positions: list[int]
+    num_positional_args: int
+    param_names: list[str]
+    buffer_names: list[str]
+    param_shapes: list[tuple[int, ...]]
+    buffer_shapes: list[tuple[int, ...]]
+    param_dtypes: list[str]
+    buffer_dtypes: list[str]
+    param_devices: list[str]
+    buffer_devices: list[str]
+    grad_param_indices: list[int]
+    # ``treespec_dumps`` of the user inputs, or None when that spec cannot be
+    # serialised (the driver then skips the structure check).
+    in_spec: str | None
+    out_spec: str
+    user_input_shapes: list[Shape | None]
+    user_input_dtypes: list[str | None]
+    user_input_devices: list[str | None]
+    user_input_bounds: list[DimBounds | None]
+
+    # The compiled graph, spliced verbatim into the artifact. It defines
+    # ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self, flat)``
+    # (eager, wrapped into ``call`` by the eager graph template).
+    graph_source: str
+    # Eager only: the imports fx's generated code expects in scope, and the
+    # ``treespec_dumps`` of the graph's own flat input/output specs.
+    graph_imports: list[str]
+    graph_in_spec: str | None
+    graph_out_spec: str | None
+
+    # What the cache carries to skip compilation on reload (None for eager).
+    cache_artifact: bytes | None
+
+    def metadata(self) -> dict[str, object]:
+        """The metadata constants by artifact name, in emission order."""
+        # Each constant is the field of the same name in lower case.
+        return {name: getattr(self, name.lower()) for name in METADATA_NAMES}

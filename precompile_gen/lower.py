@@ -1,0 +1,124 @@
+"""Lower: ``TracedGraph`` -> ``CaptureResult``, turning the graph into source text.
+
+eager: the graph's own fx code, run as-is. inductor: the module
+``aot_autograd.compile_to_python`` generates (kernels plus AOTAutograd's prelude and
+epilogue), whose compiled binaries go into the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.utils._pytree as pytree
+
+from precompile_gen.capture import TracedGraph
+from precompile_gen.capture_result import Backend, CaptureResult
+from precompile_gen.errors import PrecompileError
+
+# Inductor lowering swaps process-global compiler state; one lowering at a time.
+_INDUCTOR_LOCK = threading.Lock()
+
+
+def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
+    out_spec = _dump_out_spec(traced.out_spec)
+    try:
+        in_spec: str | None = pytree.treespec_dumps(traced.in_spec)
+    except (NotImplementedError, TypeError):
+        # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
+        in_spec = None
+    if backend == "eager":
+        graph_source, graph_imports = _eager_graph(traced.gm)
+        graph_in_spec = pytree.treespec_dumps(traced.gm._in_spec)
+        graph_out_spec = pytree.treespec_dumps(traced.gm._out_spec)
+        cache_artifact = None
+    else:
+        graph_source, cache_artifact = _inductor_graph(traced)
+        graph_imports, graph_in_spec, graph_out_spec = [], None, None
+    state = traced.state
+    tensors = state.tensors
+    params, buffers = tensors[: state.num_params], tensors[state.num_params :]
+    return CaptureResult(
+        backend=backend,
+        fn_name=traced.fn_name,
+        module_positions=traced.module_positions,
+        num_positional_args=traced.num_positional_args,
+        param_names=state.param_names,
+        buffer_names=state.buffer_names,
+        param_shapes=[tuple(t.shape) for t in params],
+        buffer_shapes=[tuple(t.shape) for t in buffers],
+        param_dtypes=[str(t.dtype) for t in params],
+        buffer_dtypes=[str(t.dtype) for t in buffers],
+        param_devices=[str(t.device) for t in params],
+        buffer_devices=[str(t.device) for t in buffers],
+        grad_param_indices=traced.grad_param_indices,
+        in_spec=in_spec,
+        out_spec=out_spec,
+        user_input_shapes=traced.user_input_shapes,
+        user_input_dtypes=traced.user_input_dtypes,
+        user_input_devices=traced.user_input_devices,
+        user_input_bounds=traced.user_input_bounds,
+        graph_source=graph_source,
+        graph_imports=graph_imports,
+        graph_in_spec=graph_in_spec,
+        graph_out_spec=graph_out_spec,
+        cache_artifact=cache_artifact,
+    )
+
+
+def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
+    # The driver rebuilds the result from OUT_SPEC, so unlike IN_SPEC it is required.
+    try:
+        return pytree.treespec_dumps(out_spec)
+    except (NotImplementedError, TypeError) as error:
+        raise PrecompileError(
+            "the function's result has a structure that cannot be serialised into the "
+            f"artifact ({type(error).__name__}: {error}). This happens for an "
+            "unregistered namedtuple or a pytree node without a JSON-serialisable "
+            "context. Return a tuple, list or dict of tensors, or register the type "
+            "with torch.utils._pytree."
+        ) from error
+
+
+def _eager_graph(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
+    # fx's code names its function ``forward``, which is the driver's public name, and
+    # runs with fx's "custom builtins" (torch, device, inf, ...) injected into its
+    # globals; the artifact imports them explicitly instead.
+    from torch.fx.graph import _custom_builtins
+
+    source = gm.code.strip("\n").rstrip() + "\n"
+    source = source.replace("def forward(", "def _graph_forward(", 1)
+    imports = [builtin.import_str for builtin in _custom_builtins.values()]
+    return source, imports
+
+
+def _inductor_graph(traced: TracedGraph) -> tuple[str, bytes | None]:
+    from torch._functorch import aot_autograd
+    from torch._inductor.exc import InductorError
+    from torch._inductor.standalone_compile import NoRunnableInductorModuleError
+
+    # size_asserts bakes every input's layout into assert_size_stride, which the
+    # driver turns into a clear error; the user's ambient config must not remove it.
+    options = {"size_asserts": True}
+    try:
+        with _INDUCTOR_LOCK:
+            return aot_autograd.compile_to_python(
+                traced.gm, traced.flat_args, options=options
+            )
+    except NoRunnableInductorModuleError as error:
+        raise PrecompileError(
+            "the inductor backend has nothing to compile: the function returns its "
+            "inputs or Python constants unchanged. Return a computed tensor, or use "
+            "backend='eager'."
+        ) from error
+    except InductorError as error:
+        if "Unexpected output types" in str(error):
+            raise PrecompileError(
+                "the inductor backend cannot return a float, complex or str next to "
+                "computed tensors (int, bool and None are fine). Return tensors only, "
+                "or use backend='eager'."
+            ) from error
+        raise PrecompileError(
+            f"the inductor backend failed to compile the captured graph: {error}. "
+            "Try backend='eager' to run the captured graph without compiling it."
+        ) from error
