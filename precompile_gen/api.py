@@ -47,9 +47,7 @@ def precompile(
 
 def _check_arguments(fn: object, backend: str, tracer: str) -> Backend:
     if backend not in BACKENDS:
-        raise ValueError(
-            f"backend must be one of {list(BACKENDS)}, got {backend!r}."
-        )
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}.")
     if tracer == "dynamo":
         raise NotImplementedError(
             "tracer='dynamo' is not implemented; use tracer='make_fx' (the default)."
@@ -58,6 +56,7 @@ def _check_arguments(fn: object, backend: str, tracer: str) -> Backend:
         raise ValueError(f"tracer must be 'make_fx', got {tracer!r}.")
     if not callable(fn):
         raise ValueError(
-            f"fn must be callable (the computation to capture), got {type(fn).__name__}."
+            "fn must be callable (the computation to capture), got "
+            f"{type(fn).__name__}."
         )
     return backend  # pyrefly: ignore[bad-return]

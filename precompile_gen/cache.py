@@ -86,15 +86,17 @@ def read_cache(cache: bytes, *, python_code: str, backend: str) -> bytes | None:
     expected = code_hash(python_code)
     if envelope.get("code_hash") != expected:
         raise PrecompileError(
-            f"the cache belongs to another artifact: its code_hash "
-            f"{str(envelope.get('code_hash'))[:16]}... differs from sha256(python_code) "
-            f"{expected[:16]}..., so the two files do not belong together. Pass the "
-            "cache returned with this python_code by the same precompile() call."
+            "the cache belongs to another artifact: its code_hash "
+            f"{str(envelope.get('code_hash'))[:16]}... differs from "
+            f"sha256(python_code) {expected[:16]}..., so the two files do not belong "
+            "together. Pass the cache returned with this python_code by the same "
+            "precompile() call."
         )
     artifact = envelope.get("artifact")
     if artifact is not None and not isinstance(artifact, bytes):
         log.warning(
-            "precompile_gen.load: the cache's artifact is a %s, not bytes; ignoring it.",
+            "precompile_gen.load: the cache's artifact is a %s, not bytes; "
+            "ignoring it.",
             type(artifact).__name__,
         )
         return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -122,7 +122,9 @@ def trace(
         grads = [p.grad for p in flat[: state.num_params]]
         _reject_stray_grads(state, flat)
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
-        harvest["grad_param_indices"] = [i for i, g in enumerate(grads) if g is not None]
+        harvest["grad_param_indices"] = [
+            i for i, g in enumerate(grads) if g is not None
+        ]
         return [*result_leaves, *(g for g in grads if g is not None)]
 
     try:
@@ -181,7 +183,7 @@ def _copy_for_trace(value: object) -> object:
 @contextlib.contextmanager
 def _reparametrized(
     modules: list[torch.nn.Module], state: ModuleState, tensors: list[Any]
-) -> Iterator[None]:
+) -> Generator[None]:
     with contextlib.ExitStack() as stack:
         for mi, module in enumerate(modules):
             mapping = {name: tensors[ti] for i, name, ti in state.bindings if i == mi}
@@ -207,12 +209,14 @@ def _interleave(
 def _reject_stray_grads(state: ModuleState, flat: list[Any]) -> None:
     # Only parameter gradients are returned to the caller; any other gradient the
     # traced backward produced would be silently dropped by the artifact.
-    for name, buffer in zip(state.buffer_names, flat[state.num_params : len(state.tensors)]):
+    buffers = flat[state.num_params : len(state.tensors)]
+    for name, buffer in zip(state.buffer_names, buffers, strict=True):
         if buffer.grad is not None:
             raise PrecompileError(
-                f"the buffer {name!r} received a gradient (it has requires_grad=True), "
-                "but only parameter gradients are returned by the artifact. Register it "
-                "as an nn.Parameter, or set requires_grad=False on it."
+                f"the buffer {name!r} received a gradient (it has "
+                "requires_grad=True), but only parameter gradients are returned by the "
+                "artifact. Register it as an nn.Parameter, or set requires_grad=False "
+                "on it."
             )
     user_leaves = flat[len(state.tensors) :]
     for index, leaf in enumerate(user_leaves):
@@ -225,7 +229,9 @@ def _reject_stray_grads(state: ModuleState, flat: list[Any]) -> None:
             )
 
 
-def _read_dim_marks(user_leaves: list[object], backend: Backend) -> list[DimBounds | None]:
+def _read_dim_marks(
+    user_leaves: list[object], backend: Backend
+) -> list[DimBounds | None]:
     """Reject dynamic-shape marks the artifact cannot honour; return declared bounds.
 
     The marks are the private attributes torch._dynamo.decorators stamps on a tensor.
@@ -242,8 +248,8 @@ def _read_dim_marks(user_leaves: list[object], backend: Backend) -> list[DimBoun
             )
         if any((getattr(leaf, "_specialize_on", None) or {}).values()):
             raise PrecompileError(
-                f"input leaf {index} has a specialize_on list: an artifact is one graph, "
-                "not one specialisation per value. Remove specialize_on."
+                f"input leaf {index} has a specialize_on list: an artifact is one "
+                "graph, not one specialisation per value. Remove specialize_on."
             )
         if getattr(leaf, "_dynamo_unbacked_indices", None) or getattr(
             leaf, "_dynamo_strict_unbacked_indices", None
@@ -305,7 +311,7 @@ def _tensor_origins(
         for name, value in variables.items():
             if isinstance(value, torch.Tensor):
                 origins[id(value)] = f"the {scope} {name!r}"
-    for position, module in zip(module_positions, modules):
+    for position, module in zip(module_positions, modules, strict=True):
         for path, submodule in module.named_modules():
             registered = {**submodule._parameters, **submodule._buffers}
             for name, value in vars(submodule).items():
@@ -340,14 +346,15 @@ def _reject_effectful_ops(gm: torch.fx.GraphModule) -> None:
     from torch._higher_order_ops.effects import _get_effect
 
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            if _get_effect(node.target) is not None:
-                raise PrecompileError(
-                    f"the function calls the effectful operator {node.target} (it has "
-                    "side effects that must be ordered, such as printing), which "
-                    "cannot be captured into a functional artifact. Move it out of the "
-                    "function."
-                )
+        is_op = node.op == "call_function" and isinstance(
+            node.target, torch._ops.OpOverload
+        )
+        if is_op and _get_effect(node.target) is not None:
+            raise PrecompileError(
+                f"the function calls the effectful operator {node.target} (it has side "
+                "effects that must be ordered, such as printing), which cannot be "
+                "captured into a functional artifact. Move it out of the function."
+            )
 
 
 def _shape(leaf: object) -> Shape | None:

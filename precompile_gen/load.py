@@ -51,7 +51,13 @@ def parse_metadata(python_code: str) -> dict[str, object]:
             )
         try:
             found[target.id] = ast.literal_eval(value)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as error:
+        except (
+            ValueError,
+            TypeError,
+            SyntaxError,
+            MemoryError,
+            RecursionError,
+        ) as error:
             raise PrecompileError(
                 f"the metadata constant {target.id} (line {statement.lineno}) is not a "
                 "plain literal, so it cannot be read without executing python_code. "
@@ -79,12 +85,13 @@ def load(python_code: str, cache: bytes) -> Callable[..., object]:
     to another one; a cache that cannot be read is skipped with a warning.
     """
     metadata = parse_metadata(python_code)
-    if not isinstance(cache, bytes | bytearray | memoryview):
+    if not isinstance(cache, bytes):
         raise ValueError(
-            f"cache must be the bytes returned by precompile(), got {type(cache).__name__}."
+            f"cache must be the bytes returned by precompile(), got "
+            f"{type(cache).__name__}."
         )
     backend = str(metadata["BACKEND"])
-    artifact = read_cache(bytes(cache), python_code=python_code, backend=backend)
+    artifact = read_cache(cache, python_code=python_code, backend=backend)
     if artifact is not None and backend == "inductor":
         _prime_inductor(artifact)
     return _execute(python_code)
@@ -97,8 +104,8 @@ def _prime_inductor(artifact: bytes) -> None:
         torch.compiler.load_cache_artifacts(artifact)
     except Exception as error:
         log.warning(
-            "precompile_gen.load: the cache's compiled kernels cannot be used (%s: %s); "
-            "compiling them from python_code instead.",
+            "precompile_gen.load: the cache's compiled kernels cannot be used "
+            "(%s: %s); compiling them from python_code instead.",
             type(error).__name__,
             error,
         )

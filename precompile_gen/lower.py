@@ -28,9 +28,9 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
         in_spec = None
     if backend == "eager":
-        graph_source, graph_imports = _eager_graph(traced.gm)
-        graph_in_spec = pytree.treespec_dumps(traced.gm._in_spec)
-        graph_out_spec = pytree.treespec_dumps(traced.gm._out_spec)
+        graph_source, graph_imports, graph_in_spec, graph_out_spec = _eager_graph(
+            traced.gm
+        )
         cache_artifact = None
     else:
         graph_source, cache_artifact = _inductor_graph(traced)
@@ -80,7 +80,8 @@ def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
         ) from error
 
 
-def _eager_graph(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
+def _eager_graph(gm: torch.fx.GraphModule) -> tuple[str, list[str], str, str]:
+    """fx's code for the graph, the imports it needs and its flat in/out specs."""
     # fx's code names its function ``forward``, which is the driver's public name, and
     # runs with fx's "custom builtins" (torch, device, inf, ...) injected into its
     # globals; the artifact imports them explicitly instead.
@@ -89,7 +90,15 @@ def _eager_graph(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
     source = gm.code.strip("\n").rstrip() + "\n"
     source = source.replace("def forward(", "def _graph_forward(", 1)
     imports = [builtin.import_str for builtin in _custom_builtins.values()]
-    return source, imports
+    # make_fx traced ``flat_fn(flat)``, so fx's code unpacks and repacks through these.
+    in_spec, out_spec = gm._in_spec, gm._out_spec
+    assert in_spec is not None and out_spec is not None, "make_fx sets both specs"
+    return (
+        source,
+        imports,
+        pytree.treespec_dumps(in_spec),
+        pytree.treespec_dumps(out_spec),
+    )
 
 
 def _inductor_graph(traced: TracedGraph) -> tuple[str, bytes | None]:

@@ -85,8 +85,10 @@ def format_python(source: str) -> str:
 
 def render_artifact(cap: CaptureResult) -> str:
     """The artifact's text for ``cap``; the same capture always gives the same bytes."""
-    skeleton = environment().get_template("artifact.py.j2").render(
-        cap=cap, graph_marker=GRAPH_MARKER
+    skeleton = (
+        environment()
+        .get_template("artifact.py.j2")
+        .render(cap=cap, graph_marker=GRAPH_MARKER)
     )
     formatted = format_python(skeleton)
     if formatted.count(GRAPH_MARKER) != 1:
