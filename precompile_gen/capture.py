@@ -21,8 +21,46 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from precompile_gen.capture_result import Backend, DimBounds, Shape
+from precompile_gen.capture_result import (
+    BACKENDS,
+    Backend,
+    CaptureResult,
+    DimBounds,
+    Shape,
+)
 from precompile_gen.errors import PrecompileError
+from precompile_gen.lower import lower
+
+
+def capture(
+    fn: Callable[..., object],
+    *example_inputs: object,
+    backend: str = "inductor",
+    tracer: str = "make_fx",
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
+) -> CaptureResult:
+    """Trace ``fn(*example_inputs)`` and lower the graph; no artifact text yet."""
+    checked = _check_arguments(fn, backend, tracer)
+    traced = trace(fn, example_inputs, backend=checked, decompositions=decompositions)
+    return lower(traced, checked)
+
+
+def _check_arguments(fn: object, backend: str, tracer: str) -> Backend:
+    if tracer == "dynamo":
+        raise NotImplementedError(
+            "tracer='dynamo' is not implemented; use tracer='make_fx' (the default)."
+        )
+    if tracer != "make_fx":
+        raise ValueError(f"tracer must be 'make_fx', got {tracer!r}.")
+    if not callable(fn):
+        raise ValueError(
+            "fn must be callable (the computation to capture), got "
+            f"{type(fn).__name__}."
+        )
+    for known in BACKENDS:
+        if backend == known:
+            return known
+    raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}.")
 
 
 @dataclass

@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "stubs",
         help="render every template into .py files for type checking",
         description=(
-            "Render each backend's artifact with typed placeholder metadata and a typed "
+            "Render each backend's artifact with typed placeholder metadata and a "
+            "typed "
             "stand-in for the compiled graph, for `pyrefly check OUT_DIR`."
         ),
     )

@@ -8,13 +8,16 @@ epilogue), whose compiled binaries go into the cache.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
-from precompile_gen.capture import TracedGraph
 from precompile_gen.capture_result import Backend, CaptureResult
 from precompile_gen.errors import PrecompileError
+
+if TYPE_CHECKING:
+    from precompile_gen.capture import TracedGraph
 
 # Inductor lowering swaps process-global compiler state; one lowering at a time.
 _INDUCTOR_LOCK = threading.Lock()

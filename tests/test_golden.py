@@ -1,0 +1,149 @@
+"""Golden artifacts: the emitted text, pinned byte for byte.
+
+A template change shows up here as a diff of tests/golden/; review it like code.
+Regenerate after an intended change with
+
+    python -m pytest tests/test_golden.py --update-goldens
+
+Eager goldens come from live captures (fx's code does not depend on the machine). The
+inductor golden renders a hand-built ``CaptureResult`` around a canned Inductor module
+(tests/fixtures/inductor_mlp_graph.txt), because live Inductor output differs by CPU
+ISA; no tracing happens for it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import precompile_gen as pg
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+FIXTURE_DIR = Path(__file__).parent / "fixtures"
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    loss = nn.functional.mse_loss(model(x), target)
+    loss.backward()
+    return loss.detach()
+
+
+def two_towers(
+    encoder: nn.Module, batch: dict[str, torch.Tensor], head: nn.Module
+) -> dict[str, object]:
+    features = encoder(batch["x"])
+    return {"logits": head(features), "features": features, "count": 2}
+
+
+def eager_inference() -> pg.CaptureResult:
+    return pg.capture(predict, _mlp(), torch.randn(3, 4), backend="eager")
+
+
+def eager_train_step() -> pg.CaptureResult:
+    return pg.capture(
+        train_step, _mlp(), torch.randn(3, 4), torch.randn(3, 2), backend="eager"
+    )
+
+
+def eager_multi_module() -> pg.CaptureResult:
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
+    head = nn.Linear(6, 3)
+    batch = {"x": torch.randn(5, 4)}
+    return pg.capture(two_towers, encoder, batch, head, backend="eager")
+
+
+_LEAF = '{"type": null, "context": null, "children_spec": []}'
+
+
+def inductor_inference() -> pg.CaptureResult:
+    """``predict`` on the MLP, as the inductor backend captures it (written out by
+    hand; the graph is the canned module)."""
+    return pg.CaptureResult(
+        backend="inductor",
+        fn_name="predict",
+        module_positions=[0],
+        num_positional_args=2,
+        param_names=["0.weight", "0.bias", "2.weight", "2.bias"],
+        buffer_names=[],
+        param_shapes=[(8, 4), (8,), (2, 8), (2,)],
+        buffer_shapes=[],
+        param_dtypes=["torch.float32"] * 4,
+        buffer_dtypes=[],
+        param_devices=["cpu"] * 4,
+        buffer_devices=[],
+        grad_param_indices=[],
+        in_spec=(
+            '[1, {"type": "builtins.tuple", "context": "null", "children_spec": '
+            f"[{_LEAF}]}}]"
+        ),
+        out_spec=f"[1, {_LEAF}]",
+        user_input_shapes=[(3, 4)],
+        user_input_dtypes=["torch.float32"],
+        user_input_devices=["cpu"],
+        user_input_bounds=[None],
+        graph_source=(FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
+        graph_imports=[],
+        graph_in_spec=None,
+        graph_out_spec=None,
+        cache_artifact=None,
+    )
+
+
+CASES: dict[str, Callable[[], pg.CaptureResult]] = {
+    "eager_inference": eager_inference,
+    "eager_train_step": eager_train_step,
+    "eager_multi_module": eager_multi_module,
+    "inductor_inference": inductor_inference,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name: str, update_goldens: bool) -> None:
+    rendered = pg.render_artifact(CASES[name]())
+    path = GOLDEN_DIR / f"{name}.py"
+    if update_goldens:
+        path.write_text(rendered, encoding="utf-8")
+        return
+    assert path.exists(), f"{path} is missing; run pytest with --update-goldens"
+    expected = path.read_text(encoding="utf-8")
+    if rendered != expected:
+        diff = "".join(
+            difflib.unified_diff(
+                expected.splitlines(keepends=True),
+                rendered.splitlines(keepends=True),
+                fromfile=f"golden/{name}.py",
+                tofile="rendered",
+            )
+        )
+        pytest.fail(
+            f"rendered artifact differs from golden/{name}.py; if intended, rerun "
+            f"with --update-goldens and review the diff:\n{diff}",
+            pytrace=False,
+        )
+
+
+def test_inductor_golden_splices_the_graph_verbatim() -> None:
+    cap = inductor_inference()
+    text = pg.render_artifact(cap)
+    assert cap.graph_source.strip("\n") in text
+    assert pg.parse_metadata(text)["PARAM_NAMES"] == cap.param_names
+
+
+def test_goldens_have_no_stale_files() -> None:
+    on_disk = {path.stem for path in GOLDEN_DIR.glob("*.py")}
+    assert on_disk == set(CASES)
