@@ -1,0 +1,74 @@
+"""Stub rendering keeps the driver type-checked although it lives in templates."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from precompile_gen.capture_result import BACKENDS
+from precompile_gen.cli import main
+from precompile_gen.render import environment, format_python
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_stubs_cover_every_template() -> None:
+    # The stubs render artifact.py.j2 once per backend; that reaches every template
+    # below, and a new template must be added here (and so to what stubs render).
+    shared = {
+        "artifact.py.j2",
+        "header.py.j2",
+        "macros.py.j2",
+        "metadata.py.j2",
+        "driver_common.py.j2",
+        "main.py.j2",
+    }
+    per_backend = {
+        f"{b}_{part}.py.j2" for b in BACKENDS for part in ("graph", "driver")
+    }
+    assert set(environment().list_templates()) == shared | per_backend
+
+
+def test_stubs_command_writes_black_formatted_modules(tmp_path: Path) -> None:
+    assert main(["stubs", str(tmp_path)]) == 0
+    written = sorted(p.name for p in tmp_path.glob("*.py"))
+    assert written == sorted(f"{b}_artifact.py" for b in BACKENDS)
+    for path in tmp_path.glob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        compile(text, str(path), "exec")
+        # The whole stub is template output, so black must leave it unchanged.
+        assert format_python(text) == text
+
+
+def test_pyrefly_finds_no_errors_in_stubs(tmp_path: Path) -> None:
+    assert main(["stubs", str(tmp_path)]) == 0
+    files = [str(p) for p in sorted(tmp_path.glob("*.py"))]
+    result = subprocess.run(
+        [sys.executable, "-m", "pyrefly", "check", "-c", "pyproject.toml", *files],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report
+    assert "0 errors" in report
+
+
+def test_pyrefly_catches_a_type_error_in_a_stub(tmp_path: Path) -> None:
+    # Guards the check above against passing vacuously (e.g. the lax preset).
+    assert main(["stubs", str(tmp_path)]) == 0
+    bad = tmp_path / "eager_artifact.py"
+    bad.write_text(
+        bad.read_text(encoding="utf-8") + "\n_module_state(3)\n", encoding="utf-8"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pyrefly", "check", "-c", "pyproject.toml", str(bad)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "bad-argument-type" in result.stdout + result.stderr
