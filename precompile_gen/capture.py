@@ -146,7 +146,8 @@ def trace(
         a for i, a in enumerate(example_inputs) if i not in module_positions
     )
     user_leaves, in_spec = pytree.tree_flatten(user_inputs)
-    bounds = _read_dim_marks(user_leaves, backend)
+    leaf_names = _leaf_names(example_inputs, module_positions, user_inputs)
+    bounds = _read_dim_marks(user_leaves, leaf_names, backend)
 
     flat_args = [_copy_for_trace(t) for t in [*state.tensors, *user_leaves]]
     num_state = len(state.tensors)
@@ -158,7 +159,7 @@ def trace(
             args = _interleave(example_inputs, module_positions, inputs)
             result = fn(*args)
         grads = [p.grad for p in flat[: state.num_params]]
-        _reject_stray_grads(state, flat)
+        _reject_stray_grads(state, flat, leaf_names)
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
         harvest["grad_param_indices"] = [
             i for i, g in enumerate(grads) if g is not None
@@ -244,7 +245,26 @@ def _interleave(
     ]
 
 
-def _reject_stray_grads(state: ModuleState, flat: list[Any]) -> None:
+def _leaf_names(
+    example_inputs: tuple[object, ...],
+    module_positions: list[int],
+    user_inputs: tuple[object, ...],
+) -> list[str]:
+    """Each user-input leaf named by where it sits in the call, e.g. "argument 1['x']"
+    (the artifact's driver names leaves the same way)."""
+    user_positions = [
+        i for i in range(len(example_inputs)) if i not in module_positions
+    ]
+    names = []
+    for path, _ in pytree.tree_flatten_with_path(user_inputs)[0]:
+        position = user_positions[cast(pytree.SequenceKey, path[0]).idx]
+        names.append(f"argument {position}{pytree.keystr(path[1:])}")
+    return names
+
+
+def _reject_stray_grads(
+    state: ModuleState, flat: list[Any], leaf_names: list[str]
+) -> None:
     # Only parameter gradients are returned to the caller; any other gradient the
     # traced backward produced would be silently dropped by the artifact.
     buffers = flat[state.num_params : len(state.tensors)]
@@ -257,10 +277,10 @@ def _reject_stray_grads(state: ModuleState, flat: list[Any]) -> None:
                 "on it."
             )
     user_leaves = flat[len(state.tensors) :]
-    for index, leaf in enumerate(user_leaves):
+    for name, leaf in zip(leaf_names, user_leaves, strict=True):
         if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
             raise PrecompileError(
-                f"input leaf {index} (a {tuple(leaf.shape)} tensor) received a "
+                f"the input {name} (a {tuple(leaf.shape)} tensor) received a "
                 "gradient, but only parameter gradients are returned by the artifact. "
                 "Make it a parameter of a module argument if you need its gradient, "
                 "or pass it with requires_grad=False."
@@ -268,32 +288,32 @@ def _reject_stray_grads(state: ModuleState, flat: list[Any]) -> None:
 
 
 def _read_dim_marks(
-    user_leaves: list[object], backend: Backend
+    user_leaves: list[object], leaf_names: list[str], backend: Backend
 ) -> list[DimBounds | None]:
     """Reject dynamic-shape marks the artifact cannot honour; return declared bounds.
 
     The marks are the private attributes torch._dynamo.decorators stamps on a tensor.
     """
-    for index, leaf in enumerate(user_leaves):
+    for name, leaf in zip(leaf_names, user_leaves, strict=True):
         if not isinstance(leaf, torch.Tensor):
             continue
         if getattr(leaf, "_dynamo_dynamic_indices", None):
             raise PrecompileError(
-                f"input leaf {index} has a mark_dynamic dim, which a precompiled "
+                f"the input {name} has a mark_dynamic dim, which a precompiled "
                 "artifact cannot honour (it would need guards and recompilation). Mark "
                 "the dim with torch._dynamo.decorators.mark_unbacked instead (inductor "
                 "backend), or leave it static."
             )
         if any((getattr(leaf, "_specialize_on", None) or {}).values()):
             raise PrecompileError(
-                f"input leaf {index} has a specialize_on list: an artifact is one "
+                f"the input {name} has a specialize_on list: an artifact is one "
                 "graph, not one specialisation per value. Remove specialize_on."
             )
         if getattr(leaf, "_dynamo_unbacked_indices", None) or getattr(
             leaf, "_dynamo_strict_unbacked_indices", None
         ):
             raise PrecompileError(
-                f"input leaf {index} has a mark_unbacked dynamic dim, which the "
+                f"the input {name} has a mark_unbacked dynamic dim, which the "
                 f"{backend} backend does not support yet. Capture with static shapes "
                 "(do not mark the dim)."
             )

@@ -233,7 +233,8 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
     if not isinstance(leaf, torch.Tensor):
         _fail(
             f"{_leaf_name(user_inputs, index)} must be a tensor of shape "
-            f"{_show_shape(shape)}, but got {type(leaf).__name__}."
+            f"{_show_shape(shape)}, as in the captured example, but got "
+            f"{type(leaf).__name__}. Pass a tensor there."
         )
     if len(leaf.shape) != len(shape) or any(
         want is not None and got != want for got, want in zip(leaf.shape, shape)
@@ -297,19 +298,15 @@ def _module_state(
     return tensors, names
 
 
-def _check_module_state(tensors: list[torch.Tensor], names: list[str]) -> None:
+def _check_module_state(
+    modules: list[torch.nn.Module], tensors: list[torch.Tensor], names: list[str]
+) -> None:
     if names != _STATE_NAMES:
-        missing = [n for n in _STATE_NAMES if n not in names]
-        unexpected = [n for n in names if n not in _STATE_NAMES]
-        detail = (
-            f"missing {missing}, unexpected {unexpected}"
-            if missing or unexpected
-            else "the same names in another order, or with different weight tying"
-        )
         _fail(
             "the model's parameters and buffers differ from the traced model's: "
-            f"{detail}. Pass a model of the traced architecture (only weight values "
-            "may differ), or capture again with this model."
+            f"{_describe_state_difference(modules, names)}. Pass a model of the traced "
+            "architecture (only weight values may differ), or capture again with "
+            "this model."
         )
     for name, tensor, shape, dtype, device in zip(
         names, tensors, _STATE_SHAPES, _STATE_DTYPES, _STATE_DEVICES
@@ -334,6 +331,46 @@ def _check_module_state(tensors: list[torch.Tensor], names: list[str]) -> None:
             )
 
 
+def _describe_state_difference(modules: list[torch.nn.Module], names: list[str]) -> str:
+    # Error path only: name every member, aliases of tied tensors included, to tell
+    # a tying difference apart from a missing or renamed member.
+    prefix = len(modules) > 1
+    first_name: dict[int, str] = {}
+    alias_of: dict[str, str] = {}
+    for index, module in enumerate(modules):
+        members = [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+        for name, tensor in members:
+            qualified = f"m{index}.{name}" if prefix else name
+            alias_of[qualified] = first_name.setdefault(id(tensor), qualified)
+    missing = [n for n in _STATE_NAMES if n not in names and n not in alias_of]
+    unexpected = [n for n in names if n not in _STATE_NAMES]
+    problems = [
+        f"{n!r} is tied to {alias_of[n]!r} here but was a separate tensor in the "
+        "traced model"
+        for n in _STATE_NAMES
+        if n not in names and n in alias_of
+    ]
+    if missing:
+        problems.append(f"missing {missing}")
+    if unexpected:
+        problems.append(
+            f"unexpected {unexpected} (absent from the traced model, or tied to "
+            "another tensor there)"
+        )
+    if not problems:
+        position = next(
+            i for i, (a, b) in enumerate(zip(names, _STATE_NAMES)) if a != b
+        )
+        problems.append(
+            f"the same names in another order: position {position} holds "
+            f"{names[position]!r} where the traced model had {_STATE_NAMES[position]!r}"
+        )
+    return "; ".join(problems)
+
+
 def _finish(tensors: list[torch.Tensor], flat_outputs: list[object]) -> object:
     """Add the trailing gradient outputs to the parameters' ``.grad`` as eager
     ``.backward()`` would, then rebuild the function's own result."""
@@ -354,7 +391,7 @@ def forward(*args: object) -> object:
     added to the model's ``.grad`` fields."""
     modules, leaves = _split_arguments(args)
     tensors, names = _module_state(modules)
-    _check_module_state(tensors, names)
+    _check_module_state(modules, tensors, names)
     # The graph already contains the backward ops it needs; recording autograd
     # history for them would only cost memory.
     with torch.no_grad():
