@@ -1,0 +1,489 @@
+"""Capture rejects what an artifact could not reproduce, with a message that names the
+culprit and the fix, and a rejected capture leaves the example model and inputs
+exactly as they were (values, ``.grad`` objects, version counters)."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import inspect
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import cast
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._dynamo.decorators import mark_dynamic, mark_unbacked
+
+import precompile_gen as pg
+
+# Read by ``step_with_global`` as a module-level global (not an argument).
+_GLOBAL_OFFSET = torch.ones(4)
+
+# Not registered with torch.utils._pytree, so its spec cannot be serialised.
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+class Net(nn.Module):
+    """Small, with BatchNorm in train mode: running one step on it changes buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.lin2 = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.relu(self.bn(self.lin1(x))))
+
+
+class NetWithGradBuffer(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.ones(2, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
+def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+# --- snapshot of everything a capture could touch ----------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorState:
+    tensor: torch.Tensor
+    value: torch.Tensor
+    version: int
+    requires_grad: bool
+    grad: torch.Tensor | None
+    grad_value: torch.Tensor | None
+    grad_version: int | None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _TensorState:
+        grad = tensor.grad
+        return cls(
+            tensor=tensor,
+            value=tensor.detach().clone(),
+            version=tensor._version,
+            requires_grad=tensor.requires_grad,
+            grad=grad,
+            grad_value=None if grad is None else grad.detach().clone(),
+            grad_version=None if grad is None else grad._version,
+        )
+
+    def assert_same(self, name: str, tensor: torch.Tensor) -> None:
+        assert tensor is self.tensor, f"{name} was replaced by another tensor"
+        assert tensor._version == self.version, f"{name} was written in place"
+        assert tensor.requires_grad == self.requires_grad, name
+        torch.testing.assert_close(
+            tensor.detach(), self.value, rtol=0, atol=0, msg=f"{name} changed value"
+        )
+        assert tensor.grad is self.grad, f"{name}.grad was replaced or set"
+        if self.grad is not None:
+            assert self.grad_value is not None
+            assert self.grad._version == self.grad_version, f"{name}.grad was written"
+            torch.testing.assert_close(
+                self.grad, self.grad_value, rtol=0, atol=0, msg=f"{name}.grad changed"
+            )
+
+
+def _named_tensors(args: Iterable[object]) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (tied aliases included) of the module arguments and
+    every tensor leaf of the other arguments, by a readable name."""
+    found: dict[str, torch.Tensor] = {}
+    for position, arg in enumerate(args):
+        if isinstance(arg, nn.Module):
+            members = itertools.chain(
+                arg.named_parameters(remove_duplicate=False),
+                arg.named_buffers(remove_duplicate=False),
+            )
+            for name, tensor in members:
+                found[f"argument {position}: {name}"] = tensor
+            continue
+        for path, leaf in pytree.tree_flatten_with_path(arg)[0]:
+            if isinstance(leaf, torch.Tensor):
+                found[f"argument {position}{pytree.keystr(path)}"] = leaf
+    return found
+
+
+class StateSnapshot:
+    """The state of a call's arguments, to prove later that nothing changed."""
+
+    def __init__(self, *args: object) -> None:
+        self._args = args
+        self._states = {
+            name: _TensorState.of(tensor)
+            for name, tensor in _named_tensors(args).items()
+        }
+
+    def assert_unchanged(self) -> None:
+        now = _named_tensors(self._args)
+        assert list(now) == list(self._states), "the set of tensors changed"
+        for name, tensor in now.items():
+            self._states[name].assert_same(name, tensor)
+
+
+def with_some_grads(model: nn.Module) -> nn.Module:
+    """Pre-populate ``.grad`` on some parameters and leave the others None, so both
+    kinds are checked."""
+    for index, param in enumerate(model.parameters()):
+        if index % 2 == 0:
+            param.grad = torch.randn_like(param)
+    return model
+
+
+def assert_capture_rejected(
+    fn: Callable[..., object],
+    *args: object,
+    match: Iterable[str],
+    error: type[Exception] = pg.PrecompileError,
+    backend: str = "eager",
+    tracer: str = "make_fx",
+) -> str:
+    """``pg.precompile(fn, *args)`` raises ``error`` whose message contains every
+    string in ``match``, and leaves ``args`` untouched. Returns the message."""
+    snapshot = StateSnapshot(*args)
+    with pytest.raises(error) as caught:
+        pg.precompile(fn, *args, backend=backend, tracer=tracer)
+    message = str(caught.value)
+    for text in match:
+        assert text in message, f"{text!r} not in the message: {message}"
+    snapshot.assert_unchanged()
+    return message
+
+
+@pytest.fixture
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return with_some_grads(Net())
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    return torch.randn(8, 4)
+
+
+def test_snapshot_detects_changes(model: nn.Module, x: torch.Tensor) -> None:
+    # The helper is what every test below relies on; check that it can fail.
+    snapshot = StateSnapshot(model, x)
+    train_step(model, x)
+    with pytest.raises(AssertionError):
+        snapshot.assert_unchanged()
+
+
+# --- tensors that would be baked in as constants ------------------------------------
+
+
+def step_with_global(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = (model(x) + _GLOBAL_OFFSET[:2]).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def test_closed_over_global_tensor(model: nn.Module, x: torch.Tensor) -> None:
+    assert_capture_rejected(
+        step_with_global,
+        model,
+        x,
+        match=["global", "'_GLOBAL_OFFSET'", "(4,)", "as an argument"],
+    )
+
+
+def test_closed_over_local_tensor(model: nn.Module, x: torch.Tensor) -> None:
+    offset = torch.full((2,), 0.5)
+
+    def step_with_closure(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = (model(x) * offset).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    assert_capture_rejected(
+        step_with_closure,
+        model,
+        x,
+        match=["closed-over", "'offset'", "(2,)", "as an argument"],
+    )
+
+
+def test_tensor_literal_created_inside_fn(model: nn.Module, x: torch.Tensor) -> None:
+    def step_with_literal(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = (model(x) * torch.tensor([1.0, 2.0])).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    assert_capture_rejected(
+        step_with_literal,
+        model,
+        x,
+        match=["torch.tensor([...])", "(2,)", "create literals outside the function"],
+    )
+
+
+class ScaledLinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        # A plain attribute, not register_buffer: invisible to named_buffers().
+        self.scale = torch.full((out_features,), 3.0)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * self.scale
+
+
+class NetWithPlainAttribute(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin2 = ScaledLinear(4, 2)
+
+
+def test_plain_module_tensor_attribute(x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    model = with_some_grads(NetWithPlainAttribute())
+    assert_capture_rejected(
+        train_step,
+        model,
+        x,
+        match=["plain attribute", "'lin2.scale'", "argument 0", "register_buffer"],
+    )
+
+
+# --- gradients that only parameters may receive ------------------------------------
+
+
+def test_buffer_that_receives_a_grad(x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    model = with_some_grads(NetWithGradBuffer())
+    assert_capture_rejected(
+        train_step,
+        model,
+        x,
+        match=["buffer 'gain'", "gradient", "nn.Parameter", "requires_grad=False"],
+    )
+
+
+def test_user_input_that_receives_a_grad(model: nn.Module) -> None:
+    x = torch.randn(8, 4, requires_grad=True)
+    assert_capture_rejected(
+        train_step,
+        model,
+        x,
+        match=["argument 1", "(8, 4)", "gradient", "requires_grad=False"],
+    )
+    assert x.grad is None
+
+
+# --- operators a flat functional graph cannot carry ---------------------------------
+
+
+def test_cond_subgraph(model: nn.Module, x: torch.Tensor) -> None:
+    def step_with_cond(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = model(x)
+        return torch.cond(y.sum() > 0, torch.sin, torch.cos, (y,))
+
+    assert_capture_rejected(
+        step_with_cond,
+        model,
+        x,
+        match=["control-flow", "torch.cond", "subgraphs", "torch.where"],
+    )
+
+
+def test_effectful_op(model: nn.Module, x: torch.Tensor) -> None:
+    def step_with_print(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        torch.ops.aten._print("x")
+        return train_step(model, x)
+
+    assert_capture_rejected(
+        step_with_print,
+        model,
+        x,
+        match=["effectful", "aten._print", "Move it out of the function"],
+    )
+
+
+# --- dynamic-shape marks -----------------------------------------------------------
+
+
+def test_mark_dynamic_is_rejected(model: nn.Module, x: torch.Tensor) -> None:
+    mark_dynamic(x, 0)
+    assert_capture_rejected(
+        train_step, model, x, match=["argument 1", "mark_dynamic", "mark_unbacked"]
+    )
+
+
+def test_specialize_on_is_rejected(model: nn.Module, x: torch.Tensor) -> None:
+    def is_one(size: int) -> bool:
+        return size == 1
+
+    if "specialize_on" in inspect.signature(mark_unbacked).parameters:
+        mark_unbacked(x, 0, specialize_on=[is_one])
+    else:
+        # What mark_unbacked(..., specialize_on=...) stamps in torch versions that
+        # have it, and what capture reads.
+        mark_unbacked(x, 0)
+        setattr(x, "_specialize_on", {0: [is_one]})  # noqa: B010
+    assert_capture_rejected(
+        train_step,
+        model,
+        x,
+        match=["argument 1", "specialize_on", "Remove specialize_on"],
+    )
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_mark_unbacked_on_eager_backend(
+    model: nn.Module, x: torch.Tensor, strict: bool
+) -> None:
+    mark_unbacked(x, 0, strict=strict)
+    assert_capture_rejected(
+        train_step,
+        model,
+        x,
+        match=["argument 1", "mark_unbacked", "eager backend", "static shapes"],
+    )
+
+
+# --- pytree specs ------------------------------------------------------------------
+
+
+def test_unserialisable_output_spec(model: nn.Module, x: torch.Tensor) -> None:
+    def step_returning_namedtuple(model: nn.Module, x: torch.Tensor) -> Pair:
+        out = model(x)
+        loss = out.square().mean()
+        loss.backward()
+        return Pair(loss.detach(), out.detach())
+
+    assert_capture_rejected(
+        step_returning_namedtuple,
+        model,
+        x,
+        match=["result", "namedtuple", "Return a tuple, list or dict", "register"],
+    )
+
+
+def test_unserialisable_input_spec_degrades_to_no_structure_check(
+    model: nn.Module,
+) -> None:
+    def step_on_pair(model: nn.Module, batch: Pair) -> torch.Tensor:
+        loss = (model(batch.first) - batch.second).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    batch = Pair(torch.randn(8, 4), torch.randn(8, 2))
+    # Flattening works (pytree knows namedtuples); only serialising the spec fails.
+    spec = pytree.tree_flatten((batch,))[1]
+    with pytest.raises(NotImplementedError):
+        pytree.treespec_dumps(spec)
+
+    snapshot = StateSnapshot(model, batch)
+    python_code, cache = pg.precompile(step_on_pair, model, batch, backend="eager")
+    snapshot.assert_unchanged()
+    assert pg.parse_metadata(python_code)["IN_SPEC"] is None
+
+    expected_model = clone_with_grads(model)
+    expected = step_on_pair(expected_model, batch)
+    forward = pg.load(python_code, cache)
+    torch.testing.assert_close(forward(model, batch), expected)
+    _assert_same_state(model, expected_model)
+
+
+def clone_with_grads(model: nn.Module) -> nn.Module:
+    # deepcopy does not copy a Parameter's .grad.
+    clone = copy.deepcopy(model)
+    originals = dict(model.named_parameters())
+    for name, param in clone.named_parameters():
+        grad = originals[name].grad
+        param.grad = None if grad is None else grad.clone()
+    return clone
+
+
+def _assert_same_state(actual: nn.Module, expected: nn.Module) -> None:
+    for (name, got), (_, want) in zip(
+        _named_tensors([actual]).items(),
+        _named_tensors([expected]).items(),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, msg=name)
+        if want.grad is None:
+            assert got.grad is None, name
+        else:
+            assert got.grad is not None, name
+            torch.testing.assert_close(got.grad, want.grad, msg=f"{name}.grad")
+
+
+# --- arguments of precompile itself -------------------------------------------------
+
+
+def test_unknown_backend(model: nn.Module, x: torch.Tensor) -> None:
+    assert_capture_rejected(
+        train_step,
+        model,
+        x,
+        error=ValueError,
+        backend="x",
+        match=["backend", "'x'", "'inductor'", "'eager'"],
+    )
+
+
+def test_dynamo_tracer_is_not_implemented(model: nn.Module, x: torch.Tensor) -> None:
+    assert_capture_rejected(
+        train_step,
+        model,
+        x,
+        error=NotImplementedError,
+        tracer="dynamo",
+        match=["tracer='dynamo'", "make_fx"],
+    )
+
+
+def test_unknown_tracer(model: nn.Module, x: torch.Tensor) -> None:
+    assert_capture_rejected(
+        train_step,
+        model,
+        x,
+        error=ValueError,
+        tracer="other",
+        match=["tracer", "'other'", "make_fx"],
+    )
+
+
+def test_non_callable_fn(model: nn.Module, x: torch.Tensor) -> None:
+    # The cast only quiets the type checker: the point is a non-callable at run time.
+    not_callable = cast("Callable[..., object]", 42)
+    assert_capture_rejected(
+        not_callable, model, x, error=ValueError, match=["callable", "got int"]
+    )
+
+
+def test_fn_raising_while_tracing(model: nn.Module, x: torch.Tensor) -> None:
+    def exploding_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # Runs BatchNorm and a backward first: any leak onto the example model
+        # would show in the snapshot.
+        train_step(model, x)
+        raise ValueError("boom in the user's code")
+
+    message = assert_capture_rejected(
+        exploding_step,
+        model,
+        x,
+        match=["'exploding_step'", "ValueError", "boom in the user's code"],
+    )
+    assert "exploding_step(*example_inputs) runs eagerly" in message
+
+
+def test_every_rejection_keeps_fully_populated_grads(x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    model = NetWithGradBuffer()
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.is_floating_point():
+            tensor.grad = torch.randn_like(tensor)
+    assert_capture_rejected(train_step, model, x, match=["buffer 'gain'"])

@@ -1,0 +1,595 @@
+"""The loaded artifact validates every call before running anything: a wrong call
+raises PrecompileError saying what differed and how to fix it, and leaves the runtime
+model's parameters, buffers and ``.grad`` fields exactly as they were."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypedDict
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import precompile_gen as pg
+
+# Not registered with torch.utils._pytree: its spec cannot be serialised, so an
+# artifact taking it has IN_SPEC = None and only the leaf checks run.
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+class Batch(TypedDict):
+    inputs: tuple[torch.Tensor, torch.Tensor]
+    target: torch.Tensor
+
+
+class Net(nn.Module):
+    """Small, with BatchNorm in train mode: running one step on it changes buffers."""
+
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(4, hidden)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.lin2 = nn.Linear(hidden, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.relu(self.bn(self.lin1(x))))
+
+
+class ReorderedNet(Net):
+    """Net's layers registered in another order: the same names, in another order."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lin2 = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.lin1 = nn.Linear(4, 4)
+
+
+class RenamedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.lin2 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.relu(self.bn(self.fc1(x))))
+
+
+class TiedNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin2.weight = self.lin1.weight
+
+
+def train_step(model: nn.Module, batch: Batch, scale: float) -> torch.Tensor:
+    x1, x2 = batch["inputs"]
+    target = batch["target"]
+    loss = (model(x1 + x2) - target).square().mean() * scale
+    loss.backward()
+    return loss.detach()
+
+
+def pair_step(model: nn.Module, pair: Pair) -> torch.Tensor:
+    loss = (model(pair.first) - pair.second).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def make_batch(rows: int = 8) -> Batch:
+    return {
+        "inputs": (torch.randn(rows, 4), torch.randn(rows, 4)),
+        "target": torch.randn(rows, 4),
+    }
+
+
+def make_model(cls: Callable[[], nn.Module] = Net) -> nn.Module:
+    """A model whose grads were populated by a successful eager step."""
+    torch.manual_seed(0)
+    model = cls()
+    train_step(model, make_batch(), 0.5)
+    return model
+
+
+def clone_with_grads(model: nn.Module) -> nn.Module:
+    # deepcopy does not copy a Parameter's .grad.
+    clone = copy.deepcopy(model)
+    originals = dict(model.named_parameters())
+    for name, param in clone.named_parameters():
+        grad = originals[name].grad
+        param.grad = None if grad is None else grad.clone()
+    return clone
+
+
+# --- snapshot of everything a call could touch --------------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorState:
+    tensor: torch.Tensor
+    value: torch.Tensor
+    version: int
+    grad: torch.Tensor | None
+    grad_value: torch.Tensor | None
+    grad_version: int | None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _TensorState:
+        grad = tensor.grad
+        return cls(
+            tensor=tensor,
+            value=tensor.detach().clone(),
+            version=tensor._version,
+            grad=grad,
+            grad_value=None if grad is None else grad.detach().clone(),
+            grad_version=None if grad is None else grad._version,
+        )
+
+    def assert_same(self, name: str, tensor: torch.Tensor) -> None:
+        assert tensor is self.tensor, f"{name} was replaced by another tensor"
+        assert tensor._version == self.version, f"{name} was written in place"
+        _assert_equal(tensor.detach(), self.value, f"{name} changed value")
+        assert tensor.grad is self.grad, f"{name}.grad was replaced or set"
+        if self.grad is not None:
+            assert self.grad_value is not None
+            assert self.grad._version == self.grad_version, f"{name}.grad was written"
+            _assert_equal(self.grad, self.grad_value, f"{name}.grad changed")
+
+
+def _assert_equal(actual: torch.Tensor, expected: torch.Tensor, message: str) -> None:
+    if actual.device.type == "meta":
+        # Meta tensors have no values; the version counter still catches writes.
+        assert (actual.shape, actual.dtype) == (expected.shape, expected.dtype), message
+        return
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=message)
+
+
+def _named_tensors(args: Iterable[object]) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (tied aliases included) of the module arguments and
+    every tensor leaf of the other arguments, by a readable name."""
+    found: dict[str, torch.Tensor] = {}
+    for position, arg in enumerate(args):
+        if isinstance(arg, nn.Module):
+            members = itertools.chain(
+                arg.named_parameters(remove_duplicate=False),
+                arg.named_buffers(remove_duplicate=False),
+            )
+            for name, tensor in members:
+                found[f"argument {position}: {name}"] = tensor
+            continue
+        for path, leaf in pytree.tree_flatten_with_path(arg)[0]:
+            if isinstance(leaf, torch.Tensor):
+                found[f"argument {position}{pytree.keystr(path)}"] = leaf
+    return found
+
+
+class StateSnapshot:
+    """The state of some models and inputs, to prove later that nothing changed."""
+
+    def __init__(self, *objects: object) -> None:
+        self._objects = objects
+        self._states = {
+            name: _TensorState.of(tensor)
+            for name, tensor in _named_tensors(objects).items()
+        }
+
+    def assert_unchanged(self) -> None:
+        now = _named_tensors(self._objects)
+        assert list(now) == list(self._states), "the set of tensors changed"
+        for name, tensor in now.items():
+            self._states[name].assert_same(name, tensor)
+
+
+def assert_call_rejected(
+    forward: Callable[..., object],
+    *args: object,
+    match: Iterable[str],
+    also_unchanged: Iterable[object] = (),
+) -> str:
+    """``forward(*args)`` raises PrecompileError whose message contains every string
+    in ``match``; ``args`` and ``also_unchanged`` are untouched. Returns the message."""
+    snapshot = StateSnapshot(*args, *also_unchanged)
+    with pytest.raises(pg.PrecompileError) as caught:
+        forward(*args)
+    message = str(caught.value)
+    for text in match:
+        assert text in message, f"{text!r} not in the message: {message}"
+    snapshot.assert_unchanged()
+    return message
+
+
+# --- artifacts, one per scenario ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Artifact:
+    python_code: str
+    cache: bytes
+    forward: Callable[..., object]
+
+
+def _build(fn: Callable[..., object], *example: object) -> Artifact:
+    python_code, cache = pg.precompile(fn, *example, backend="eager")
+    return Artifact(python_code, cache, pg.load(python_code, cache))
+
+
+@pytest.fixture(scope="module")
+def batch_artifact() -> Artifact:
+    torch.manual_seed(1)
+    return _build(train_step, Net(), make_batch(), 0.5)
+
+
+@pytest.fixture(scope="module")
+def pair_artifact() -> Artifact:
+    torch.manual_seed(1)
+    return _build(pair_step, Net(), Pair(torch.randn(8, 4), torch.randn(8, 4)))
+
+
+@pytest.fixture
+def forward(batch_artifact: Artifact) -> Callable[..., object]:
+    return batch_artifact.forward
+
+
+@pytest.fixture
+def model(forward: Callable[..., object]) -> nn.Module:
+    """The runtime model, with grads populated by a successful call of the artifact."""
+    torch.manual_seed(2)
+    model = Net()
+    forward(model, make_batch(), 0.5)
+    assert all(p.grad is not None for p in model.parameters())
+    return model
+
+
+@pytest.fixture
+def batch() -> Batch:
+    return make_batch()
+
+
+def test_snapshot_detects_changes(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    # Every test below relies on the snapshot; check that a real call trips it.
+    snapshot = StateSnapshot(model)
+    forward(model, batch, 0.5)
+    with pytest.raises(AssertionError):
+        snapshot.assert_unchanged()
+
+
+# --- the call's arguments -----------------------------------------------------------
+
+
+def test_wrong_arity(forward: Callable[..., object], model: nn.Module) -> None:
+    assert_call_rejected(
+        forward,
+        model,
+        match=[
+            "takes 3 positional arguments",
+            "(module, input, input)",
+            "got 1",
+            "Pass the module(s) and inputs in the order",
+        ],
+    )
+
+
+def test_non_module_at_module_position(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    assert_call_rejected(
+        forward,
+        torch.randn(8, 4),
+        batch,
+        0.5,
+        also_unchanged=[model],
+        match=["argument 0 must be an nn.Module", "got Tensor", "Pass the model"],
+    )
+
+
+def test_dict_instead_of_tuple(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    x1, x2 = batch["inputs"]
+    wrong = {"inputs": {"a": x1, "b": x2}, "target": batch["target"]}
+    assert_call_rejected(
+        forward,
+        model,
+        wrong,
+        0.5,
+        match=[
+            "nested differently",
+            "expected ({'inputs': (*, *), 'target': *}, *)",
+            "got ({'inputs': {'a': *, 'b': *}, 'target': *}, *)",
+            "Pass inputs with the example's containers",
+        ],
+    )
+
+
+def test_missing_key(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    wrong = {"inputs": batch["inputs"]}
+    assert_call_rejected(
+        forward,
+        model,
+        wrong,
+        0.5,
+        match=[
+            "nested differently",
+            "'target'",
+            "got ({'inputs': (*, *)}, *)",
+            "keys",
+        ],
+    )
+
+
+def test_leaf_count_mismatch(pair_artifact: Artifact) -> None:
+    # With IN_SPEC = None the structure check is skipped, so the leaf count is what
+    # catches a different structure.
+    assert pg.parse_metadata(pair_artifact.python_code)["IN_SPEC"] is None
+    model = make_model()
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pair_artifact.forward(model, Pair(x, y))
+    assert_call_rejected(
+        pair_artifact.forward,
+        model,
+        (x, y, y),
+        match=["flatten to 3 leaves", "had 2", "Pass inputs with the example's"],
+    )
+
+
+def test_leaf_checks_run_without_in_spec(pair_artifact: Artifact) -> None:
+    model = make_model()
+    assert_call_rejected(
+        pair_artifact.forward,
+        model,
+        Pair(torch.randn(8, 4), torch.randn(8, 5)),
+        match=["argument 1.second has shape (8, 5)", "(8, 4)", "Pass that shape"],
+    )
+
+
+def test_wrong_shape(forward: Callable[..., object], model: nn.Module) -> None:
+    assert_call_rejected(
+        forward,
+        model,
+        make_batch(rows=3),
+        0.5,
+        match=[
+            "argument 1['inputs'][0] has shape (3, 4)",
+            "captured with shape (8, 4)",
+            "Pass that shape, or capture again",
+        ],
+    )
+
+
+def test_wrong_dtype(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    wrong = {**batch, "target": torch.randn(8, 4, dtype=torch.float64)}
+    assert_call_rejected(
+        forward,
+        model,
+        wrong,
+        0.5,
+        match=[
+            "argument 1['target'] has dtype torch.float64",
+            "captured with torch.float32",
+            ".to(torch.float32)",
+        ],
+    )
+
+
+def test_wrong_device(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    x1, x2 = batch["inputs"]
+    wrong = {**batch, "inputs": (x1.to("meta"), x2)}
+    assert_call_rejected(
+        forward,
+        model,
+        wrong,
+        0.5,
+        match=[
+            "argument 1['inputs'][0] is on device 'meta'",
+            "captured on 'cpu'",
+            ".to('cpu')",
+        ],
+    )
+
+
+def test_tensor_where_example_had_non_tensor(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    assert_call_rejected(
+        forward,
+        model,
+        batch,
+        torch.tensor(0.5),
+        match=["argument 2 is a tensor", "non-tensor value", "Pass the example's"],
+    )
+
+
+def test_non_tensor_where_example_had_tensor(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    wrong = {**batch, "target": 1.0}
+    assert_call_rejected(
+        forward,
+        model,
+        wrong,
+        0.5,
+        match=["argument 1['target'] must be a tensor", "shape (8, 4)", "got float"],
+    )
+
+
+# --- the runtime model ---------------------------------------------------------------
+
+
+def test_different_param_names(forward: Callable[..., object], batch: Batch) -> None:
+    assert_call_rejected(
+        forward,
+        make_model(RenamedNet),
+        batch,
+        0.5,
+        match=[
+            "missing ['lin1.weight', 'lin1.bias']",
+            "unexpected ['fc1.weight', 'fc1.bias']",
+            "Pass a model of the traced architecture",
+        ],
+    )
+
+
+def test_same_names_in_another_order(
+    forward: Callable[..., object], batch: Batch
+) -> None:
+    assert_call_rejected(
+        forward,
+        make_model(ReorderedNet),
+        batch,
+        0.5,
+        match=["same names in another order", "Pass a model of the traced"],
+    )
+
+
+def test_different_tying(forward: Callable[..., object], batch: Batch) -> None:
+    tied = make_model(TiedNet)
+    # Both names are there; what differs is that they are one tensor.
+    assert {"lin1.weight", "lin2.weight"} <= dict(
+        tied.named_parameters(remove_duplicate=False)
+    ).keys()
+    message = assert_call_rejected(
+        forward,
+        tied,
+        batch,
+        0.5,
+        match=[
+            "'lin2.weight' is tied to 'lin1.weight'",
+            "Pass a model of the traced architecture",
+        ],
+    )
+    assert "tied" in message or "tying" in message, message
+
+
+def test_param_with_different_shape(
+    forward: Callable[..., object], batch: Batch
+) -> None:
+    assert_call_rejected(
+        forward,
+        make_model(lambda: Net(hidden=5)),
+        batch,
+        0.5,
+        match=["'lin1.weight' has shape (5, 4)", "had (4, 4)", "capture again"],
+    )
+
+
+def test_different_dtype(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    double = clone_with_grads(model).double()
+    assert_call_rejected(
+        forward,
+        double,
+        batch,
+        0.5,
+        also_unchanged=[model],
+        match=[
+            "'lin1.weight' has dtype torch.float64",
+            "had torch.float32",
+            ".to(torch.float32)",
+        ],
+    )
+
+
+def test_different_device(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    on_meta = clone_with_grads(model).to("meta")
+    assert all(p.grad is not None for p in on_meta.parameters())
+    assert_call_rejected(
+        forward,
+        on_meta,
+        batch,
+        0.5,
+        also_unchanged=[model],
+        match=["'lin1.weight' is on device 'meta'", "was on 'cpu'", ".to('cpu')"],
+    )
+
+
+# --- recovery and the artifact on its own --------------------------------------------
+
+
+def _assert_same_state(actual: nn.Module, expected: nn.Module) -> None:
+    got, want = _named_tensors([actual]), _named_tensors([expected])
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+        if want[name].grad is None:
+            assert got[name].grad is None, name
+        else:
+            assert got[name].grad is not None, name
+            torch.testing.assert_close(got[name].grad, want[name].grad, msg=name)
+
+
+def test_correct_call_after_rejection_matches_eager(
+    forward: Callable[..., object], model: nn.Module
+) -> None:
+    expected_model = clone_with_grads(model)
+    first, second = make_batch(), make_batch()
+    torch.testing.assert_close(
+        forward(model, first, 0.5), train_step(expected_model, first, 0.5)
+    )
+    _assert_same_state(model, expected_model)
+
+    assert_call_rejected(forward, model, make_batch(rows=3), 0.5, match=["shape"])
+    assert_call_rejected(forward, Net(hidden=5), second, 0.5, match=["shape"])
+
+    torch.testing.assert_close(
+        forward(model, second, 0.5), train_step(expected_model, second, 0.5)
+    )
+    _assert_same_state(model, expected_model)
+
+
+def test_error_type_without_precompile_gen(
+    batch_artifact: Artifact, tmp_path: Path
+) -> None:
+    artifact = tmp_path / "artifact.py"
+    artifact.write_text(batch_artifact.python_code, encoding="utf-8")
+    script = textwrap.dedent(
+        """
+        import sys
+
+        # Makes `import precompile_gen` raise ImportError, as if not installed.
+        sys.modules["precompile_gen"] = None
+        namespace = {"__name__": "artifact"}
+        with open(sys.argv[1], encoding="utf-8") as file:
+            exec(compile(file.read(), sys.argv[1], "exec"), namespace)
+        try:
+            namespace["forward"]()
+        except Exception as error:
+            print(type(error).__name__)
+            print(isinstance(error, RuntimeError))
+            print(type(error).__module__)
+            print(sys.modules["precompile_gen"] is None)
+            print(error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(artifact)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:4] == ["PrecompileError", "True", "artifact", "True"], result.stdout
+    assert "takes 3 positional arguments" in lines[4]
+    assert "got 0" in lines[4]
