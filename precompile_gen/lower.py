@@ -111,7 +111,12 @@ def _inductor_graph(traced: TracedGraph) -> tuple[str, bytes | None]:
 
     # size_asserts bakes every input's layout into assert_size_stride, which the
     # driver turns into a clear error; the user's ambient config must not remove it.
-    options = {"size_asserts": True}
+    # For a dynamic capture, scalar_asserts keeps the range checks on the unbacked
+    # sizes inside the compiled graph.
+    dynamic = any(
+        shape is not None and None in shape for shape in traced.user_input_shapes
+    )
+    options = {"size_asserts": True, "scalar_asserts": dynamic}
     try:
         with _INDUCTOR_LOCK:
             return aot_autograd.compile_to_python(
