@@ -11,6 +11,7 @@ import linecache
 import logging
 from collections.abc import Callable
 
+from precompile_gen import kernel_binaries
 from precompile_gen.cache import code_hash, read_cache
 from precompile_gen.capture_result import BACKENDS, METADATA_NAMES
 from precompile_gen.errors import PrecompileError
@@ -33,6 +34,7 @@ def parse_metadata(python_code: str) -> dict[str, object]:
             "is not a precompile_gen artifact, or it was truncated or edited. Pass the "
             "python_code returned by precompile()."
         ) from error
+    _reject_rebinding(module)
     found: dict[str, object] = {}
     for statement in module.body:
         if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
@@ -43,12 +45,6 @@ def parse_metadata(python_code: str) -> dict[str, object]:
             continue
         if not isinstance(target, ast.Name) or target.id not in METADATA_NAMES:
             continue
-        if target.id in found:
-            raise PrecompileError(
-                f"python_code assigns the metadata constant {target.id} twice (line "
-                f"{statement.lineno}); an artifact assigns each exactly once. Pass the "
-                "python_code returned by precompile()."
-            )
         try:
             found[target.id] = ast.literal_eval(value)
         except (
@@ -78,6 +74,35 @@ def parse_metadata(python_code: str) -> dict[str, object]:
     return {name: found[name] for name in METADATA_NAMES}
 
 
+def _reject_rebinding(module: ast.Module) -> None:
+    """Each metadata constant must be bound exactly once, by its literal assignment;
+    any other binding (chained, augmented, nested, imported) would make the values
+    read here differ from those the executed artifact uses."""
+    bindings: dict[str, list[int]] = {}
+    for node in ast.walk(module):
+        names: list[tuple[str, int]] = []
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.append((node.id, node.lineno))
+        elif isinstance(node, ast.alias):
+            bound = node.asname or node.name.partition(".")[0]
+            names.append((bound, getattr(node, "lineno", 0)))
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.append((node.name, node.lineno))
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            names.extend((name, node.lineno) for name in node.names)
+        for name, line in names:
+            if name in METADATA_NAMES:
+                bindings.setdefault(name, []).append(line)
+    for name, lines in bindings.items():
+        if len(lines) > 1:
+            times = "twice" if len(lines) == 2 else f"{len(lines)} times"
+            raise PrecompileError(
+                f"python_code assigns the metadata constant {name} {times} (lines "
+                f"{lines}); an artifact assigns each exactly once. Pass the "
+                "python_code returned by precompile()."
+            )
+
+
 def load(python_code: str, cache: bytes) -> Callable[..., object]:
     """A callable with the traced function's positional signature.
 
@@ -92,23 +117,14 @@ def load(python_code: str, cache: bytes) -> Callable[..., object]:
         )
     backend = str(metadata["BACKEND"])
     artifact = read_cache(cache, python_code=python_code, backend=backend)
-    if artifact is not None and backend == "inductor":
-        _prime_inductor(artifact)
+    if (
+        artifact is not None
+        and backend == "inductor"
+        and kernel_binaries.prime(artifact)
+    ):
+        with kernel_binaries.loading_config():
+            return _execute(python_code)
     return _execute(python_code)
-
-
-def _prime_inductor(artifact: bytes) -> None:
-    import torch
-
-    try:
-        torch.compiler.load_cache_artifacts(artifact)
-    except Exception as error:
-        log.warning(
-            "precompile_gen.load: the cache's compiled kernels cannot be used "
-            "(%s: %s); compiling them from python_code instead.",
-            type(error).__name__,
-            error,
-        )
 
 
 def _execute(python_code: str) -> Callable[..., object]:

@@ -54,9 +54,19 @@ def literal(value: object) -> str:
         items = [literal(v) for v in value]
         return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
     if isinstance(value, dict):
-        entries = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, kv[0]))
-        return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in entries) + "}"
+        rendered = sorted(
+            (_sort_key(k), literal(k), literal(v)) for k, v in value.items()
+        )
+        return "{" + ", ".join(f"{k}: {v}" for _, k, v in rendered) + "}"
     return repr(value)
+
+
+def _sort_key(key: object) -> tuple[int, int, str]:
+    # Integer keys (the dims of USER_INPUT_BOUNDS) in numeric order; any other key
+    # by its rendered text, which orders every mix of types.
+    if isinstance(key, int) and type(key) is int:
+        return (0, key, "")
+    return (1, 0, literal(key))
 
 
 @functools.cache

@@ -1,0 +1,548 @@
+"""``load``, ``parse_metadata`` and the cache envelope.
+
+The cache is only an acceleration, so a cache that cannot be read degrades to a
+warning; a readable cache made for another artifact is an error, because it means
+the files were mixed up. The metadata is read by AST: nothing in python_code runs
+before ``load`` says, in a warning, that it is about to execute it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import pickle
+import random
+import re
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import precompile_gen as pg
+from precompile_gen.cache import CACHE_FORMAT, CACHE_VERSION, build_cache
+from precompile_gen.capture_result import Backend
+from precompile_gen.stubs import stub_capture
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))
+
+
+def train_step(
+    x: torch.Tensor, model: nn.Module, extras: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    out = model(x)
+    loss = (out * extras["weight"]).sum() * extras["scale"]
+    loss.backward()
+    return {"loss": loss.detach(), "out": out.detach()}
+
+
+def make_model() -> Net:
+    torch.manual_seed(0)
+    model = Net()
+    # A frozen parameter stays in PARAM_NAMES but receives no gradient.
+    model.bn.bias.requires_grad_(False)
+    return model
+
+
+def make_inputs() -> tuple[torch.Tensor, dict[str, Any]]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 4, generator=generator)
+    return x, {"weight": torch.randn(3, generator=generator), "scale": 2}
+
+
+class Captured:
+    def __init__(self) -> None:
+        x, extras = make_inputs()
+        self.code, self.cache = pg.precompile(
+            train_step, x, make_model(), extras, backend="eager"
+        )
+
+
+@pytest.fixture(scope="module")
+def captured() -> Captured:
+    return Captured()
+
+
+def read_envelope(cache: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(cache), weights_only=True)
+
+
+def save(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def envelope_bytes(code: str, **overrides: object) -> bytes:
+    fields: dict[str, object] = {
+        "format": CACHE_FORMAT,
+        "version": CACHE_VERSION,
+        "backend": "eager",
+        "code_hash": hashlib.sha256(code.encode("utf-8")).hexdigest(),
+        "artifact": None,
+    }
+    fields.update(overrides)
+    return save(fields)
+
+
+def assert_runs_like_eager(forward: Callable[..., object]) -> None:
+    """The loaded artifact gives eager's result, gradients and buffer updates."""
+    x, extras = make_inputs()
+    eager_model, compiled_model = make_model(), make_model()
+    expected = train_step(x, eager_model, extras)
+    got = cast(dict[str, torch.Tensor], forward(x, compiled_model, extras))
+    torch.testing.assert_close(got, expected)
+    for (name, ours), (_, theirs) in zip(
+        compiled_model.named_parameters(), eager_model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+    assert compiled_model.lin.weight.grad is not None
+    assert compiled_model.bn.bias.grad is None
+    torch.testing.assert_close(
+        dict(compiled_model.named_buffers()), dict(eager_model.named_buffers())
+    )
+
+
+def warnings_about(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and needle in r.getMessage()
+    ]
+
+
+def replace_line(code: str, pattern: str, replacement: str) -> str:
+    new, count = re.subn(pattern, replacement, code, flags=re.MULTILINE)
+    assert count == 1, f"{pattern!r} matched {count} lines"
+    return new
+
+
+# --- the cache envelope -------------------------------------------------------------
+
+
+def test_cache_is_a_plain_envelope_readable_without_code(captured: Captured) -> None:
+    envelope = read_envelope(captured.cache)
+    assert type(envelope) is dict
+    assert set(envelope) == {"format", "version", "backend", "code_hash", "artifact"}
+    assert envelope["format"] == CACHE_FORMAT
+    assert envelope["version"] == CACHE_VERSION
+    assert envelope["backend"] == "eager"
+    assert (
+        envelope["code_hash"]
+        == hashlib.sha256(captured.code.encode("utf-8")).hexdigest()
+    )
+    assert envelope["artifact"] is None
+
+
+# --- parse_metadata -----------------------------------------------------------------
+
+
+def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
+    x, extras = make_inputs()
+    in_spec = pytree.treespec_dumps(pytree.tree_flatten((x, extras))[1])
+    result = train_step(x, make_model(), extras)
+    out_spec = pytree.treespec_dumps(pytree.tree_flatten(result)[1])
+    f32 = "torch.float32"
+
+    meta = pg.parse_metadata(captured.code)
+
+    assert meta == {
+        "BACKEND": "eager",
+        "MODULE_POSITIONS": [1],
+        "NUM_POSITIONAL_ARGS": 3,
+        "PARAM_NAMES": ["lin.weight", "lin.bias", "bn.weight", "bn.bias"],
+        "BUFFER_NAMES": ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"],
+        "PARAM_SHAPES": [(3, 4), (3,), (3,), (3,)],
+        "BUFFER_SHAPES": [(3,), (3,), ()],
+        "PARAM_DTYPES": [f32, f32, f32, f32],
+        "BUFFER_DTYPES": [f32, f32, "torch.int64"],
+        "PARAM_DEVICES": ["cpu"] * 4,
+        "BUFFER_DEVICES": ["cpu"] * 3,
+        "GRAD_PARAM_INDICES": [0, 1, 2],
+        "IN_SPEC": in_spec,
+        "OUT_SPEC": out_spec,
+        # Leaves in call order: x, extras["weight"], then the int extras["scale"],
+        # which is not a tensor and so has no shape, dtype or device.
+        "USER_INPUT_SHAPES": [(5, 4), (3,), None],
+        "USER_INPUT_DTYPES": [f32, f32, None],
+        "USER_INPUT_DEVICES": ["cpu", "cpu", None],
+        "USER_INPUT_BOUNDS": [None, None, None],
+    }
+    assert list(meta) == [
+        "BACKEND",
+        "MODULE_POSITIONS",
+        "NUM_POSITIONAL_ARGS",
+        "PARAM_NAMES",
+        "BUFFER_NAMES",
+        "PARAM_SHAPES",
+        "BUFFER_SHAPES",
+        "PARAM_DTYPES",
+        "BUFFER_DTYPES",
+        "PARAM_DEVICES",
+        "BUFFER_DEVICES",
+        "GRAD_PARAM_INDICES",
+        "IN_SPEC",
+        "OUT_SPEC",
+        "USER_INPUT_SHAPES",
+        "USER_INPUT_DTYPES",
+        "USER_INPUT_DEVICES",
+        "USER_INPUT_BOUNDS",
+    ]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_parse_metadata_matches_the_rendered_capture(backend: Backend) -> None:
+    cap = stub_capture(backend)
+    assert pg.parse_metadata(pg.render_artifact(cap)) == cap.metadata()
+
+
+def test_parse_metadata_does_not_execute_the_code(
+    captured: Captured, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "executed"
+    # Set through monkeypatch so that whatever the side effect writes is undone.
+    monkeypatch.setenv("PRECOMPILE_GEN_TEST_SIDE_EFFECT", "0")
+    side_effect = (
+        f"open({str(marker)!r}, 'w').close()\n"
+        "import os\n"
+        "os.environ['PRECOMPILE_GEN_TEST_SIDE_EFFECT'] = '1'\n"
+    )
+    code = side_effect + captured.code + "\n" + side_effect
+
+    meta = pg.parse_metadata(code)
+
+    assert meta["BACKEND"] == "eager"
+    assert not marker.exists()
+    assert os.environ["PRECOMPILE_GEN_TEST_SIDE_EFFECT"] == "0"
+    # The side effect is live code: executing the text does trigger it.
+    exec(compile(side_effect, "<side effect>", "exec"), {})
+    assert marker.exists()
+    assert os.environ["PRECOMPILE_GEN_TEST_SIDE_EFFECT"] == "1"
+
+
+def test_parse_metadata_rejects_invalid_python(captured: Captured) -> None:
+    with pytest.raises(pg.PrecompileError, match="not valid Python") as info:
+        pg.parse_metadata("def broken(:\n" + captured.code)
+    assert "precompile()" in str(info.value)
+
+
+def test_parse_metadata_rejects_a_nul_byte(captured: Captured) -> None:
+    with pytest.raises(pg.PrecompileError, match="not valid Python"):
+        pg.parse_metadata(captured.code + "\x00")
+
+
+def test_parse_metadata_names_a_missing_constant(captured: Captured) -> None:
+    code = replace_line(captured.code, r"^NUM_POSITIONAL_ARGS: int = 3\n", "")
+    with pytest.raises(pg.PrecompileError, match="NUM_POSITIONAL_ARGS") as info:
+        pg.parse_metadata(code)
+    message = str(info.value)
+    assert "lacks" in message
+    assert "precompile()" in message
+    # Only the missing constant is named.
+    assert "PARAM_NAMES" not in message
+
+
+def test_parse_metadata_of_empty_text_names_every_constant() -> None:
+    with pytest.raises(pg.PrecompileError) as info:
+        pg.parse_metadata("")
+    for name in ("BACKEND", "MODULE_POSITIONS", "USER_INPUT_BOUNDS"):
+        assert name in str(info.value)
+
+
+def test_parse_metadata_rejects_a_non_literal_constant(captured: Captured) -> None:
+    code = replace_line(
+        captured.code,
+        r"^NUM_POSITIONAL_ARGS: int = 3$",
+        'NUM_POSITIONAL_ARGS: int = len("abc")',
+    )
+    with pytest.raises(pg.PrecompileError, match="NUM_POSITIONAL_ARGS") as info:
+        pg.parse_metadata(code)
+    assert "not a plain literal" in str(info.value)
+    assert "precompile()" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        'PARAM_NAMES = ["other"]',
+        'PARAM_NAMES: list[str] = ["other"]',
+        'PARAM_NAMES = OTHER = ["other"]',
+        'PARAM_NAMES += ["other"]',
+    ],
+    ids=["plain", "annotated", "chained", "augmented"],
+)
+def test_parse_metadata_rejects_a_constant_assigned_twice(
+    captured: Captured, extra: str
+) -> None:
+    # Executing such a file would use the second value, while a parse that kept the
+    # first would describe another calling convention than the one that runs.
+    code = captured.code + "\n" + extra + "\n"
+    with pytest.raises(pg.PrecompileError, match="PARAM_NAMES") as info:
+        pg.parse_metadata(code)
+    assert "twice" in str(info.value)
+
+
+def test_parse_metadata_rejects_an_unknown_backend(captured: Captured) -> None:
+    code = replace_line(captured.code, r'^BACKEND: str = "eager"$', 'BACKEND = "tpu"')
+    with pytest.raises(pg.PrecompileError, match="'tpu'") as info:
+        pg.parse_metadata(code)
+    assert "inductor" in str(info.value)
+    assert "eager" in str(info.value)
+
+
+@pytest.mark.parametrize("code", [None, b"BACKEND = 'eager'", 3, ["BACKEND"]])
+def test_parse_metadata_rejects_a_non_str(code: Any) -> None:
+    with pytest.raises(ValueError, match="str"):
+        pg.parse_metadata(code)
+
+
+# --- load: pairing errors -----------------------------------------------------------
+
+
+def test_load_rejects_a_cache_from_another_precompile_call(captured: Captured) -> None:
+    def other(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).relu()
+
+    _, other_cache = pg.precompile(
+        other, make_model(), torch.randn(5, 4), backend="eager"
+    )
+    with pytest.raises(pg.PrecompileError, match="do not belong together") as info:
+        pg.load(captured.code, other_cache)
+    assert "precompile()" in str(info.value)
+
+
+def test_load_rejects_a_cache_made_by_another_backend(captured: Captured) -> None:
+    cache = envelope_bytes(captured.code, backend="inductor")
+    with pytest.raises(pg.PrecompileError, match="do not belong together") as info:
+        pg.load(captured.code, cache)
+    assert "'inductor'" in str(info.value)
+    assert "'eager'" in str(info.value)
+
+
+def test_load_accepts_a_hand_built_matching_envelope(
+    captured: Captured, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(captured.code, envelope_bytes(captured.code))
+    assert warnings_about(caplog, "cache") == []
+    assert_runs_like_eager(forward)
+
+
+@pytest.mark.parametrize("cache", [None, "cache", bytearray(b"x"), Path("c.pt")])
+def test_load_rejects_a_non_bytes_cache(captured: Captured, cache: Any) -> None:
+    with pytest.raises(ValueError, match="bytes"):
+        pg.load(captured.code, cache)
+
+
+def test_load_rejects_a_non_str_python_code(captured: Captured) -> None:
+    with pytest.raises(ValueError, match="str"):
+        pg.load(cast(Any, captured.code.encode()), captured.cache)
+
+
+# --- load: caches that degrade to a warning -----------------------------------------
+
+
+def _unreadable_caches(cache: bytes) -> dict[str, bytes]:
+    return {
+        "random": random.Random(0).randbytes(512),
+        "truncated": cache[: len(cache) // 2],
+        "empty": b"",
+    }
+
+
+@pytest.mark.parametrize("kind", ["random", "truncated", "empty"])
+def test_load_warns_about_an_unreadable_cache_and_still_runs(
+    captured: Captured, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(captured.code, _unreadable_caches(captured.cache)[kind])
+    assert len(warnings_about(caplog, "cache cannot be read")) == 1
+    assert_runs_like_eager(forward)
+
+
+@pytest.mark.parametrize(
+    "envelope",
+    [
+        {"format": "someone_else", "version": 1, "backend": "eager"},
+        {"format": CACHE_FORMAT, "version": CACHE_VERSION + 1, "backend": "eager"},
+        {},
+        [1, 2, 3],
+        ("precompile_gen", 1),
+        torch.zeros(3),
+        None,
+    ],
+    ids=[
+        "other-format",
+        "other-version",
+        "empty-dict",
+        "list",
+        "tuple",
+        "tensor",
+        "none",
+    ],
+)
+def test_load_warns_about_a_foreign_envelope_and_still_runs(
+    captured: Captured, caplog: pytest.LogCaptureFixture, envelope: object
+) -> None:
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(captured.code, save(envelope))
+    assert len(warnings_about(caplog, "envelope")) == 1
+    assert_runs_like_eager(forward)
+
+
+class CreatesDirectory:
+    """Unpickling this runs ``os.mkdir(path)``: a stand-in for any code a hostile
+    pickle could run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.parametrize("container", ["pickle", "torch.save"])
+def test_load_does_not_run_a_pickle_payload_in_the_cache(
+    captured: Captured,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    container: str,
+) -> None:
+    def payload(path: Path) -> bytes:
+        if container == "pickle":
+            return pickle.dumps(CreatesDirectory(path), protocol=2)
+        return save(CreatesDirectory(path))
+
+    # The payload is live: an unrestricted unpickler runs it.
+    control = tmp_path / "control"
+    if container == "pickle":
+        pickle.loads(payload(control))
+    else:
+        torch.load(io.BytesIO(payload(control)), weights_only=False)
+    assert control.is_dir()
+
+    target = tmp_path / "payload_ran"
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(captured.code, payload(target))
+
+    assert not target.exists()
+    assert len(warnings_about(caplog, "cache cannot be read")) == 1
+    assert_runs_like_eager(forward)
+
+
+def test_load_warns_about_an_artifact_payload_that_is_not_a_dict(
+    captured: Captured, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(captured.code, envelope_bytes(captured.code, artifact="text"))
+    assert len(warnings_about(caplog, "not a dict")) == 1
+    assert_runs_like_eager(forward)
+
+
+# --- load: execution ----------------------------------------------------------------
+
+
+def test_load_warns_each_time_it_executes_code(
+    captured: Captured, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    pg.load(captured.code, captured.cache)
+    assert len(warnings_about(caplog, "executing python_code")) == 1
+    pg.load(captured.code, captured.cache)
+    executing = warnings_about(caplog, "executing python_code")
+    assert len(executing) == 2
+    assert all("trust" in message for message in executing)
+    assert all(
+        r.name.startswith("precompile_gen")
+        for r in caplog.records
+        if r.levelno == logging.WARNING
+    )
+
+
+def test_load_does_not_execute_before_the_pairing_check(
+    captured: Captured, tmp_path: Path
+) -> None:
+    marker = tmp_path / "executed"
+    code = f"open({str(marker)!r}, 'w').close()\n" + captured.code
+    with pytest.raises(pg.PrecompileError, match="do not belong together"):
+        pg.load(code, captured.cache)
+    assert not marker.exists()
+
+
+def test_loaded_forward_runs_like_eager(captured: Captured) -> None:
+    assert_runs_like_eager(pg.load(captured.code, captured.cache))
+
+
+def test_loaded_forward_accumulates_grads_across_calls(captured: Captured) -> None:
+    forward = pg.load(captured.code, captured.cache)
+    x, extras = make_inputs()
+    eager_model, compiled_model = make_model(), make_model()
+    for _ in range(2):
+        train_step(x, eager_model, extras)
+        forward(x, compiled_model, extras)
+    for ours, theirs in zip(
+        compiled_model.parameters(), eager_model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+# --- tracebacks point into the artifact ---------------------------------------------
+
+
+def _artifact_frames(error: BaseException) -> list[traceback.FrameSummary]:
+    return [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if frame.filename.startswith("<precompile_gen:")
+    ]
+
+
+def test_traceback_of_a_driver_error_shows_artifact_source(captured: Captured) -> None:
+    forward = pg.load(captured.code, captured.cache)
+    x, _ = make_inputs()
+    with pytest.raises(pg.PrecompileError, match="positional arguments") as info:
+        forward(x, make_model())
+    frames = _artifact_frames(info.value)
+    assert [f.name for f in frames][:2] == ["forward", "_split_arguments"]
+    text = "".join(traceback.format_exception(info.value))
+    assert "modules, leaves = _split_arguments(args)" in text
+    assert "raise error_type(message)" in text
+    # The line numbers are the artifact's own.
+    lines = captured.code.splitlines()
+    for frame in frames:
+        assert frame.lineno is not None
+        assert lines[frame.lineno - 1].strip() == frame.line
+
+
+def test_traceback_of_an_error_raised_in_the_artifact_shows_its_line(
+    captured: Captured,
+) -> None:
+    code = replace_line(
+        captured.code,
+        r"^(    )(modules, leaves = _split_arguments\(args\))$",
+        r'\1raise ValueError("boom inside the artifact")\n\1\2',
+    )
+    forward = pg.load(code, build_cache(code, "eager", None))
+    x, extras = make_inputs()
+    with pytest.raises(ValueError, match="boom inside the artifact") as info:
+        forward(x, make_model(), extras)
+    text = "".join(traceback.format_exception(info.value))
+    assert 'raise ValueError("boom inside the artifact")' in text
+    (frame,) = _artifact_frames(info.value)
+    assert frame.name == "forward"
+    assert frame.lineno is not None
+    assert code.splitlines()[frame.lineno - 1].strip() == frame.line
