@@ -26,7 +26,9 @@ def code_hash(python_code: str) -> str:
     return hashlib.sha256(python_code.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def build_cache(python_code: str, backend: str, artifact: bytes | None) -> bytes:
+def build_cache(
+    python_code: str, backend: str, artifact: dict[str, object] | None
+) -> bytes:
     buffer = io.BytesIO()
     torch.save(
         {
@@ -41,7 +43,9 @@ def build_cache(python_code: str, backend: str, artifact: bytes | None) -> bytes
     return buffer.getvalue()
 
 
-def read_cache(cache: bytes, *, python_code: str, backend: str) -> bytes | None:
+def read_cache(
+    cache: bytes, *, python_code: str, backend: str
+) -> dict[str, object] | None:
     """The cache's artifact payload, or None when there is nothing usable to prime.
 
     Raises PrecompileError when the envelope is readable but was made for another
@@ -93,10 +97,10 @@ def read_cache(cache: bytes, *, python_code: str, backend: str) -> bytes | None:
             "precompile() call."
         )
     artifact = envelope.get("artifact")
-    if artifact is not None and not isinstance(artifact, bytes):
+    if artifact is not None and not isinstance(artifact, dict):
         log.warning(
-            "precompile_gen.load: the cache's artifact is a %s, not bytes; "
-            "ignoring it.",
+            "precompile_gen.load: the cache's artifact is a %s, not a dict; "
+            "ignoring it and compiling from python_code instead.",
             type(artifact).__name__,
         )
         return None

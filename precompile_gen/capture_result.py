@@ -87,8 +87,9 @@ class CaptureResult:
     graph_in_spec: str | None
     graph_out_spec: str | None
 
-    # What the cache carries to skip compilation on reload (None for eager).
-    cache_artifact: bytes | None
+    # What the cache carries to skip compilation on reload (None for eager): plain
+    # data that torch.load(weights_only=True) reads back.
+    cache_artifact: dict[str, object] | None
 
     def metadata(self) -> dict[str, object]:
         """The metadata constants by artifact name, in emission order."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.utils._pytree as pytree
 
+from precompile_gen import kernel_binaries
 from precompile_gen.capture_result import Backend, CaptureResult
 from precompile_gen.errors import PrecompileError
 
@@ -104,7 +105,7 @@ def _eager_graph(gm: torch.fx.GraphModule) -> tuple[str, list[str], str, str]:
     )
 
 
-def _inductor_graph(traced: TracedGraph) -> tuple[str, bytes | None]:
+def _inductor_graph(traced: TracedGraph) -> tuple[str, dict[str, object]]:
     from torch._functorch import aot_autograd
     from torch._inductor.exc import InductorError
     from torch._inductor.standalone_compile import NoRunnableInductorModuleError
@@ -119,9 +120,12 @@ def _inductor_graph(traced: TracedGraph) -> tuple[str, bytes | None]:
     options = {"size_asserts": True, "scalar_asserts": dynamic}
     try:
         with _INDUCTOR_LOCK:
-            return aot_autograd.compile_to_python(
+            # torch's own cache bundle is dropped: it does not hold the kernel
+            # binaries, which are what a fresh process would otherwise compile.
+            graph_source, _ = aot_autograd.compile_to_python(
                 traced.gm, traced.flat_args, options=options
             )
+            return graph_source, kernel_binaries.collect(graph_source)
     except NoRunnableInductorModuleError as error:
         raise PrecompileError(
             "the inductor backend has nothing to compile: the function returns its "

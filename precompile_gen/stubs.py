@@ -35,7 +35,13 @@ _EAGER_GRAPH_IMPORTS = [
     "import torch.utils._pytree as pytree",
 ]
 
-_FLAT_SPEC = '[1, {"type": null, "context": null, "children_spec": []}]'
+_LEAF_SPEC = '{"type": null, "context": null, "children_spec": []}'
+_FLAT_SPEC = f"[1, {_LEAF_SPEC}]"
+# One positional input: a tuple holding one leaf.
+_INPUT_SPEC = (
+    f'[1, {{"type": "builtins.tuple", "context": "null", "children_spec": '
+    f"[{_LEAF_SPEC}]}}]"
+)
 
 
 def stub_capture(backend: Backend) -> CaptureResult:
@@ -56,7 +62,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         param_devices=["cpu"],
         buffer_devices=["cpu"],
         grad_param_indices=[0],
-        in_spec=_FLAT_SPEC,
+        in_spec=_INPUT_SPEC,
         out_spec=_FLAT_SPEC,
         user_input_shapes=[(None, 4)],
         user_input_dtypes=["torch.float32"],

@@ -1,0 +1,107 @@
+"""Cold start: time to the first result in a fresh process, with and without the cache.
+
+    python benchmarks/cold_start.py
+
+For precompile_gen and torch.compiler.precompile side by side, on the built-in demo
+training step (a small CNN with BatchNorm), every row a fresh process with its own
+TORCHINDUCTOR_CACHE_DIR:
+
+- precompile: ``precompile(...)`` starting from an empty cache folder;
+- cache: ``load(code, cache)`` + first call, empty cache folder (a fresh machine);
+- no cache: the same with the cache's artifact stripped (compiles from python_code);
+- warm: the same with a cache folder a previous load filled (same-machine reload).
+
+All rows are measured in this one run; the ratios compare rows of that run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SYSTEMS = ("precompile_gen", "torch.compiler.precompile")
+
+_CHILD = r"""
+import json, sys, time
+import torch
+import precompile_gen
+from precompile_gen import demo
+
+system, step, code_path, cache_path = sys.argv[1:5]
+api = precompile_gen if system == "precompile_gen" else torch.compiler.precompile
+model, images, labels = demo.example()
+start = time.perf_counter()
+if step == "precompile":
+    code, cache = api(demo.train_step, model, images, labels)
+    open(code_path, "w", encoding="utf-8").write(code)
+    open(cache_path, "wb").write(cache)
+else:
+    code = open(code_path, encoding="utf-8").read()
+    forward = api.load(code, open(cache_path, "rb").read())
+    forward(model, images, labels)
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+
+def _child(system: str, step: str, code: Path, cache: Path, cache_dir: Path) -> float:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, system, step, str(code), str(cache)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{system} {step} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def _strip_artifact(cache: bytes) -> bytes:
+    envelope = torch.load(io.BytesIO(cache), weights_only=True)
+    envelope["artifact"] = None
+    buffer = io.BytesIO()
+    torch.save(envelope, buffer)
+    return buffer.getvalue()
+
+
+def _measure(system: str, work: Path) -> dict[str, float]:
+    folder = work / system
+    folder.mkdir()
+    code, cache, stripped = folder / "code.py", folder / "cache", folder / "stripped"
+    seconds = {"precompile": _child(system, "precompile", code, cache, folder / "c0")}
+    stripped.write_bytes(_strip_artifact(cache.read_bytes()))
+    seconds["cache"] = _child(system, "load", code, cache, folder / "c1")
+    seconds["no cache"] = _child(system, "load", code, stripped, folder / "c2")
+    _child(system, "load", code, cache, folder / "c3")  # fills c3
+    seconds["warm"] = _child(system, "load", code, cache, folder / "c3")
+    seconds["cache bytes"] = cache.stat().st_size
+    return seconds
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        rows = {system: _measure(system, Path(scratch)) for system in SYSTEMS}
+    ours, theirs = rows["precompile_gen"], rows["torch.compiler.precompile"]
+    print(f"{'seconds':<24}{'precompile_gen':>16}{'torch precompile':>18}")
+    for row in ("precompile", "cache", "no cache", "warm"):
+        print(f"{row:<24}{ours[row]:>16.2f}{theirs[row]:>18.2f}")
+    size = "cache size (bytes)"
+    print(f"{size:<24}{ours['cache bytes']:>16,.0f}{theirs['cache bytes']:>18,.0f}")
+    print()
+    for label, r in (("precompile_gen", ours), ("torch precompile", theirs)):
+        print(
+            f"{label}: no cache / cache = {r['no cache'] / r['cache']:.1f}x "
+            f"(target >= 4x); cache / warm = {r['cache'] / r['warm']:.2f}x "
+            "(target <= 1.5x)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""What is specific to the inductor backend: lowering errors and the layout contract."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import precompile_gen as pg
+from precompile_gen.stubs import stub_capture
+
+
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _conv() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+
+
+@pytest.fixture(scope="module", params=["eager", "inductor"])
+def mlp_forward(request: pytest.FixtureRequest) -> tuple[str, object]:
+    code, cache = pg.precompile(
+        predict, _mlp(), torch.randn(3, 4), backend=request.param
+    )
+    return request.param, pg.load(code, cache)
+
+
+@pytest.fixture(scope="module", params=["eager", "inductor"])
+def conv_forward(request: pytest.FixtureRequest) -> tuple[str, object]:
+    example = torch.randn(2, 3, 8, 8)
+    code, cache = pg.precompile(predict, _conv(), example, backend=request.param)
+    return request.param, pg.load(code, cache)
+
+
+def _check_layout_contract(
+    backend: str, forward: object, model: nn.Module, x: torch.Tensor
+) -> None:
+    """Inductor rejects a same-shape tensor with another layout, untouched model and
+    all; eager runs it and matches eager PyTorch."""
+    assert callable(forward)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if backend == "inductor":
+        with pytest.raises(pg.PrecompileError) as caught:
+            forward(model, x)
+        message = str(caught.value)
+        assert "layout" in message and "backend='eager'" in message
+        assert ".contiguous()" in message
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param, before[name], rtol=0, atol=0)
+            assert param.grad is None
+    else:
+        out = forward(model, x)
+        assert isinstance(out, torch.Tensor)
+        torch.testing.assert_close(out, predict(copy.deepcopy(model), x))
+
+
+def test_transposed_input(mlp_forward: tuple[str, object]) -> None:
+    backend, forward = mlp_forward
+    x = torch.randn(4, 3).t()
+    assert x.shape == (3, 4) and not x.is_contiguous()
+    _check_layout_contract(backend, forward, _mlp(), x)
+
+
+def test_channels_last_input(conv_forward: tuple[str, object]) -> None:
+    backend, forward = conv_forward
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    _check_layout_contract(backend, forward, _conv(), x)
+
+
+def test_non_contiguous_weight(mlp_forward: tuple[str, object]) -> None:
+    backend, forward = mlp_forward
+    model = _mlp()
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+    first.weight = nn.Parameter(first.weight.detach().t().contiguous().t())
+    assert first.weight.shape == (8, 4) and not first.weight.is_contiguous()
+    _check_layout_contract(backend, forward, model, torch.randn(3, 4))
+
+
+def test_example_layout_still_runs(mlp_forward: tuple[str, object]) -> None:
+    _, forward = mlp_forward
+    assert callable(forward)
+    model, x = _mlp(), torch.randn(3, 4)
+    torch.testing.assert_close(forward(model, x), predict(copy.deepcopy(model), x))
+
+
+def test_graph_without_compute_suggests_eager() -> None:
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(lambda x: x, torch.randn(3))
+    message = str(caught.value)
+    assert "nothing to compile" in message and "backend='eager'" in message
+
+
+def test_float_output_next_to_tensors_suggests_eager() -> None:
+    def scaled(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return model(x) * 2, 0.5
+
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(scaled, _mlp(), torch.randn(3, 4))
+    message = str(caught.value)
+    assert "float" in message and "backend='eager'" in message
+    code, cache = pg.precompile(scaled, _mlp(), torch.randn(3, 4), backend="eager")
+    model, x = _mlp(), torch.randn(3, 4)
+    out, scale = pg.load(code, cache)(model, x)  # type: ignore[misc]
+    torch.testing.assert_close(out, scaled(copy.deepcopy(model), x)[0])
+    assert scale == 0.5
+
+
+def _stub_forward(call_body: str) -> object:
+    """The inductor driver around a stand-in ``call`` that runs ``call_body``."""
+    graph = f"def call(flat_inputs: list[object]) -> list[object]:\n    {call_body}\n"
+    cap = dataclasses.replace(
+        stub_capture("inductor"),
+        graph_source=graph,
+        user_input_shapes=[(2, 4)],
+        user_input_bounds=[None],
+        grad_param_indices=[],
+    )
+    namespace: dict[str, object] = {}
+    exec(compile(pg.render_artifact(cap), "<stub>", "exec"), namespace)
+    return namespace["forward"]
+
+
+def _stub_model() -> nn.Module:
+    model = nn.Module()
+    model.weight = nn.Parameter(torch.zeros(4, 4))
+    model.register_buffer("running_mean", torch.zeros(4))
+    return model
+
+
+@pytest.mark.parametrize(
+    "assertion",
+    [
+        "expected size 2==3, stride 4==1 at dim=0",
+        "wrong number of dimensions",
+    ],
+)
+def test_driver_turns_layout_assertions_into_precompile_errors(assertion: str) -> None:
+    forward = _stub_forward(f"raise AssertionError({assertion!r})")
+    assert callable(forward)
+    with pytest.raises(pg.PrecompileError) as caught:
+        forward(_stub_model(), torch.zeros(2, 4))
+    assert assertion in str(caught.value)
+    assert "layout" in str(caught.value)
+
+
+def test_driver_reraises_other_assertions_unchanged() -> None:
+    forward = _stub_forward("raise AssertionError('a user check failed')")
+    assert callable(forward)
+    with pytest.raises(AssertionError) as caught:
+        forward(_stub_model(), torch.zeros(2, 4))
+    assert type(caught.value) is AssertionError
+    assert str(caught.value) == "a user check failed"

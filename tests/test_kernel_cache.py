@@ -1,0 +1,281 @@
+"""The inductor cache carries the kernel binaries, so a fresh process with an empty
+inductor cache folder reaches its first result without running the compiler; a
+payload that does not fit the machine falls back to compiling, with a warning."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import precompile_gen as pg
+from precompile_gen import kernel_binaries
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    loss = nn.functional.mse_loss(model(x), target)
+    loss.backward()
+    return loss.detach()
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(3, 4, generator=generator), torch.randn(
+        3, 2, generator=generator
+    )
+
+
+@dataclass
+class Pair:
+    code: str
+    cache: bytes
+    envelope: dict[str, object]
+
+
+@pytest.fixture(scope="module")
+def pair() -> Pair:
+    code, cache = pg.precompile(train_step, _model(), *_inputs())
+    envelope = torch.load(io.BytesIO(cache), weights_only=True)
+    return Pair(code, cache, envelope)
+
+
+def _payload(pair: Pair) -> dict[str, object]:
+    payload = pair.envelope["artifact"]
+    assert isinstance(payload, dict)
+    return payload
+
+
+def _with_payload(pair: Pair, payload: object) -> bytes:
+    envelope = {**pair.envelope, "artifact": payload}
+    buffer = io.BytesIO()
+    torch.save(envelope, buffer)
+    return buffer.getvalue()
+
+
+def _assert_matches_eager(forward: object) -> None:
+    assert callable(forward)
+    model, reference = _model(), _model()
+    loss = forward(model, *_inputs())
+    expected = train_step(reference, *_inputs())
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_payload_carries_each_kernel_binary_with_its_digest(pair: Pair) -> None:
+    payload = _payload(pair)
+    assert payload["kind"] == kernel_binaries.PAYLOAD_KIND
+    files, digests = payload["files"], payload["sha256"]
+    assert isinstance(files, dict) and isinstance(digests, dict)
+    kernels = re.findall(r"^(\w+) = async_compile\.cpp_pybinding", pair.code, re.M)
+    assert kernels, "the artifact compiles C++ kernels"
+    binaries = [name for name in files if name.endswith(".main.so")]
+    assert len(binaries) == len(kernels)
+    for name, data in files.items():
+        assert re.fullmatch(r"[a-z0-9]{2}/c[a-z0-9]{51}\.(main\.)?so", name)
+        assert data[:4] == b"\x7fELF"
+    # The rest are the ISA probe binaries the loader's inductor looks up.
+    assert len(files) > len(binaries)
+    assert set(digests) == set(files)
+    assert payload["build"] == kernel_binaries.build_fingerprint()
+
+
+_G_PLUS_PLUS_SPY = """\
+#!/bin/sh
+# Records every compiler run except version queries, then runs the real compiler.
+case "$*" in
+  *--version*|"-v"|*" -v"*|-dumpversion*) ;;
+  *) echo "$*" >> "{log}" ;;
+esac
+exec {real} "$@"
+"""
+
+_CHILD = """\
+import json, sys, torch, precompile_gen as pg
+sys.path.insert(0, {tests!r})
+from test_kernel_cache import _inputs, _model, train_step
+code = open({code!r}, encoding="utf-8").read()
+cache = open({cache!r}, "rb").read()
+forward = pg.load(code, cache)
+model, reference = _model(), _model()
+loss = forward(model, *_inputs())
+torch.testing.assert_close(loss, train_step(reference, *_inputs()))
+for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+    torch.testing.assert_close(got.grad, want.grad)
+print(json.dumps({{"loss": float(loss)}}))
+"""
+
+
+def _run_fresh_process(tmp_path: Path, code: str, cache: bytes) -> list[str]:
+    """Load and run the pair in a new interpreter with an empty inductor cache
+    folder and a g++ that logs its runs; return the logged compiler runs."""
+    real = subprocess.run(
+        ["sh", "-c", "command -v g++"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    spy_dir = tmp_path / "bin"
+    spy_dir.mkdir()
+    log = tmp_path / "compiler-runs.log"
+    spy = spy_dir / "g++"
+    spy.write_text(_G_PLUS_PLUS_SPY.format(log=log, real=real))
+    spy.chmod(0o755)
+    (tmp_path / "code.py").write_text(code, encoding="utf-8")
+    (tmp_path / "cache.bin").write_bytes(cache)
+    script = _CHILD.format(
+        tests=str(Path(__file__).parent),
+        code=str(tmp_path / "code.py"),
+        cache=str(tmp_path / "cache.bin"),
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{spy_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor-cache"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "loss" in json.loads(done.stdout.strip().splitlines()[-1])
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.slow
+def test_fresh_process_with_empty_cache_folder_runs_no_compiler(
+    pair: Pair, tmp_path: Path
+) -> None:
+    assert _run_fresh_process(tmp_path, pair.code, pair.cache) == []
+
+
+@pytest.mark.slow
+def test_fresh_process_without_the_payload_compiles(pair: Pair, tmp_path: Path) -> None:
+    # The control for the test above: the spy does see compiler runs when the cache
+    # carries no binaries.
+    runs = _run_fresh_process(tmp_path, pair.code, _with_payload(pair, None))
+    assert any(".cpp" in run for run in runs), runs
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        (lambda p: p["build"].update(torch="0.0.0"), "different environment"),
+        (lambda p: p["build"].update(cpu_capability="NEON"), "cpu_capability"),
+        (lambda p: p["build"].update(compiler="clang 1.0"), "compiler"),
+        (lambda p: p.update(build="unknown"), "build fingerprint"),
+        (lambda p: p.update(kind="other"), "not a kernel-binary payload"),
+        (lambda p: p.update(files=[]), "manifest is malformed"),
+    ],
+    ids=["torch", "isa", "compiler", "no-fingerprint", "kind", "manifest"],
+)
+def test_unusable_payload_falls_back_to_compiling_with_a_warning(
+    pair: Pair,
+    tamper: object,
+    reason: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    payload = copy.deepcopy(_payload(pair))
+    assert callable(tamper)
+    tamper(payload)
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(pair.code, _with_payload(pair, payload))
+    warnings = [
+        r.getMessage() for r in caplog.records if "compiled kernels" in r.message
+    ]
+    assert len(warnings) == 1 and reason in warnings[0], warnings
+    # Nothing from the rejected payload was written.
+    assert not list(tmp_path.rglob("*.main.so"))
+    _assert_matches_eager(forward)
+
+
+def test_binary_that_does_not_match_its_digest_is_not_written(
+    pair: Pair,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    payload = copy.deepcopy(_payload(pair))
+    files = payload["files"]
+    assert isinstance(files, dict)
+    name = next(iter(files))
+    files[name] = files[name][:-1] + b"\0"
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(pair.code, _with_payload(pair, payload))
+    assert any("does not match its sha256" in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )
+    assert not (tmp_path / name).exists()
+    _assert_matches_eager(forward)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../escaped.main.so", "/tmp/absolute.main.so", "ab/evil.py", "ab/c.main.so"],
+)
+def test_payload_cannot_write_outside_kernel_binaries(
+    pair: Pair,
+    name: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    cache_dir = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    payload = copy.deepcopy(_payload(pair))
+    files, digests = payload["files"], payload["sha256"]
+    assert isinstance(files, dict) and isinstance(digests, dict)
+    files[name] = b"payload"
+    digests[name] = hashlib.sha256(b"payload").hexdigest()
+    caplog.set_level(logging.WARNING)
+    pg.load(pair.code, _with_payload(pair, payload))
+    assert any("unexpected file" in r.getMessage() for r in caplog.records)
+    assert not any(
+        p.read_bytes() == b"payload" for p in tmp_path.rglob("*") if p.is_file()
+    )
+
+
+def test_priming_writes_the_binaries_under_their_keys(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    payload = _payload(pair)
+    assert kernel_binaries.prime(payload)
+    files = payload["files"]
+    assert isinstance(files, dict)
+    for name, data in files.items():
+        assert (tmp_path / name).read_bytes() == data
+        is_probe = not name.endswith(".main.so")
+        assert (tmp_path / f"{name}.load_ok").is_file() == is_probe
+    # Priming again leaves the existing files alone.
+    assert kernel_binaries.prime(payload)
+
+
+def test_load_leaves_inductor_config_as_it_was(pair: Pair) -> None:
+    from torch._inductor import config
+
+    before = config.save_config_portable()
+    _assert_matches_eager(pg.load(pair.code, pair.cache))
+    assert config.save_config_portable() == before
