@@ -92,6 +92,8 @@ class TracedGraph:
 
     gm: torch.fx.GraphModule
     # The tensors the graph was traced on, in graph-input order; lowering needs them.
+    # In a capture with mark_unbacked dims they are fakes whose ShapeEnv holds the
+    # dims' symbols and bounds, which Inductor compiles against.
     flat_args: list[object]
     fn_name: str
     module_positions: list[int]

@@ -264,14 +264,21 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
         if (low is not None and size < low) or (high is not None and size > high):
             _fail(
                 f"{_leaf_name(user_inputs, index)} has size {size} in dim {dim}, "
-                f"outside the range [{low}, {high}] declared with mark_unbacked at "
-                "capture. Pass a size within it, or capture again with wider bounds."
+                "outside the bounds its mark_unbacked declared at capture "
+                f"({_show_bounds(low, high)}). Pass a size within them, or capture "
+                "again with wider bounds."
             )
 
 
 def _show_shape(shape: tuple[int | None, ...]) -> str:
     # A dynamic dim (None) accepts any size.
     return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
+
+
+def _show_bounds(low: int | None, high: int | None) -> str:
+    # In mark_unbacked's own keywords, which is where the user declared them.
+    shown = [] if low is None else [f"min={low}"]
+    return ", ".join(shown + ([] if high is None else [f"max={high}"]))
 
 
 def _module_state(

@@ -16,7 +16,7 @@
 # - The runtime model must have the traced model's structure: the same parameter and
 #   buffer names, order, tying, shapes, dtypes and devices. Only values may differ.
 # - Control flow and shapes are specialised to the example inputs; each input must have
-#   the example's structure, shape, dtype and device#   (and memory layout).
+#   the example's structure, shape, dtype and device (and memory layout).
 # - If the traced function ran a backward, each call adds the parameter gradients to
 #   the model's `.grad` fields, exactly like eager `.backward()`.
 # - Every call is validated before anything runs; a violation raises PrecompileError
@@ -389,14 +389,21 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
         if (low is not None and size < low) or (high is not None and size > high):
             _fail(
                 f"{_leaf_name(user_inputs, index)} has size {size} in dim {dim}, "
-                f"outside the range [{low}, {high}] declared with mark_unbacked at "
-                "capture. Pass a size within it, or capture again with wider bounds."
+                "outside the bounds its mark_unbacked declared at capture "
+                f"({_show_bounds(low, high)}). Pass a size within them, or capture "
+                "again with wider bounds."
             )
 
 
 def _show_shape(shape: tuple[int | None, ...]) -> str:
     # A dynamic dim (None) accepts any size.
     return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
+
+
+def _show_bounds(low: int | None, high: int | None) -> str:
+    # In mark_unbacked's own keywords, which is where the user declared them.
+    shown = [] if low is None else [f"min={low}"]
+    return ", ".join(shown + ([] if high is None else [f"max={high}"]))
 
 
 def _module_state(
@@ -524,6 +531,16 @@ def forward(*args: object) -> object:
         # the example's shape but another layout fails there, before any kernel runs.
         # Any other assertion is not ours to reinterpret.
         text = str(error)
+        dynamic = _dynamic_sizes(args)
+        if dynamic and _is_size_mismatch(text):
+            # Every static size was checked above, so the graph rejected a dynamic
+            # dim whose symbol it had already bound from another input.
+            _fail(
+                "inputs whose dims were marked with the same mark_unbacked shape_id "
+                "must have equal sizes there, but they differ in this call (dynamic "
+                f"dims: {dynamic}). Pass equal sizes in those dims. Inductor "
+                f"reported: {text.splitlines()[0]}"
+            )
         if not (
             ("expected size" in text and "stride" in text)
             or "wrong number of dimensions" in text
@@ -538,6 +555,26 @@ def forward(*args: object) -> object:
             f"example), or capture with backend='eager'. Inductor reported: {text}"
         )
     return _finish(tensors, flat_outputs)
+
+
+def _is_size_mismatch(text: str) -> bool:
+    # Inductor words it "expected size 5==3, stride 4==4 at dim=0" (actual==expected).
+    sizes = text.partition("expected size ")[2].partition(",")[0]
+    actual, equals, expected = sizes.partition("==")
+    return bool(equals) and actual != expected
+
+
+def _dynamic_sizes(args: tuple[object, ...]) -> str:
+    """Each dynamic dim of the call's inputs and its size: "argument 1 dim 0 = 5"."""
+    user_inputs = tuple(args[i] for i in _USER_POSITIONS)
+    leaves = pytree.tree_leaves(user_inputs)
+    return ", ".join(
+        f"{_leaf_name(user_inputs, index)} dim {dim} = {leaf.shape[dim]}"
+        for index, (leaf, shape) in enumerate(zip(leaves, USER_INPUT_SHAPES))
+        if isinstance(leaf, torch.Tensor) and shape is not None
+        for dim, size in enumerate(shape)
+        if size is None
+    )
 
 
 if __name__ == "__main__":
