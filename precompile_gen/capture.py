@@ -106,6 +106,8 @@ class TracedGraph:
     user_input_dtypes: list[str | None]
     user_input_devices: list[str | None]
     user_input_bounds: list[DimBounds | None]
+    user_input_strides: list[tuple[int, ...] | None]
+    user_input_symbols: list[dict[int, str] | None]
 
 
 def lift_module_state(modules: list[torch.nn.Module]) -> ModuleState:
@@ -224,6 +226,13 @@ def trace(
         user_input_dtypes=[_dtype(t) for t in user_leaves],
         user_input_devices=[_device(t) for t in user_leaves],
         user_input_bounds=_declared_bounds(marks),
+        user_input_strides=[
+            None if m or not isinstance(t, torch.Tensor) else tuple(t.stride())
+            for t, m in zip(user_leaves, marks, strict=True)
+        ],
+        user_input_symbols=(
+            [None] * len(user_leaves) if symbolic is None else symbolic.leaf_symbols
+        ),
     )
 
 
@@ -458,6 +467,8 @@ class SymbolicInputs:
     # The runtime assumptions the marks themselves put on the symbols (size >= 0 and
     # the declared bounds); any other one is a constraint that fn added.
     declared: set[sympy.Basic]
+    # Per user-input leaf: each marked dim's symbol name, or None for an unmarked leaf.
+    leaf_symbols: list[dict[int, str] | None]
 
 
 def _symbolic_inputs(
@@ -479,15 +490,18 @@ def _symbolic_inputs(
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     symbol_of: dict[object, torch.SymInt] = {}
     dims_of: dict[sympy.Symbol, list[str]] = {}
+    leaf_symbols: list[dict[int, str] | None] = []
     flat_args: list[object] = []
     with fake_mode:
         flat_args.extend(_fake_copy(fake_mode, t) for t in state_tensors)
         for name, leaf, leaf_marks in zip(leaf_names, user_leaves, marks, strict=True):
             if not leaf_marks:
                 flat_args.append(_fake_copy(fake_mode, leaf))
+                leaf_symbols.append(None)
                 continue
             tensor = cast(torch.Tensor, leaf)
             sizes: list[int | torch.SymInt] = list(tensor.shape)
+            symbols: dict[int, str] = {}
             for dim, mark in leaf_marks.items():
                 symbol = None
                 if mark.shape_id is not None:
@@ -512,6 +526,8 @@ def _symbolic_inputs(
                     f"{name} dim {dim}"
                 )
                 sizes[dim] = symbol
+                symbols[dim] = str(symbol.node.expr)
+            leaf_symbols.append(dict(sorted(symbols.items())))
             fake = torch.empty(
                 sizes,
                 dtype=tensor.dtype,
@@ -524,7 +540,7 @@ def _symbolic_inputs(
         for assertions in shape_env.deferred_runtime_asserts.values()
         for assertion in assertions
     }
-    return SymbolicInputs(flat_args, fake_mode, dims_of, declared)
+    return SymbolicInputs(flat_args, fake_mode, dims_of, declared, leaf_symbols)
 
 
 def _fake_copy(fake_mode: FakeTensorMode, value: object) -> object:

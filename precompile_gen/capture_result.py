@@ -29,6 +29,8 @@ METADATA_NAMES: tuple[str, ...] = (
     "BUFFER_NAMES",
     "PARAM_SHAPES",
     "BUFFER_SHAPES",
+    "PARAM_STRIDES",
+    "BUFFER_STRIDES",
     "PARAM_DTYPES",
     "BUFFER_DTYPES",
     "PARAM_DEVICES",
@@ -40,6 +42,8 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_DTYPES",
     "USER_INPUT_DEVICES",
     "USER_INPUT_BOUNDS",
+    "USER_INPUT_STRIDES",
+    "USER_INPUT_SYMBOLS",
 )
 
 
@@ -63,6 +67,9 @@ class CaptureResult:
     buffer_names: list[str]
     param_shapes: list[tuple[int, ...]]
     buffer_shapes: list[tuple[int, ...]]
+    # The example tensors' strides: the inductor backend specialises on them.
+    param_strides: list[tuple[int, ...]]
+    buffer_strides: list[tuple[int, ...]]
     param_dtypes: list[str]
     buffer_dtypes: list[str]
     param_devices: list[str]
@@ -76,6 +83,10 @@ class CaptureResult:
     user_input_dtypes: list[str | None]
     user_input_devices: list[str | None]
     user_input_bounds: list[DimBounds | None]
+    # Per leaf: strides (None for a non-tensor leaf or one with dynamic dims), and
+    # each dynamic dim's symbol; dims with the same symbol must have equal sizes.
+    user_input_strides: list[tuple[int, ...] | None]
+    user_input_symbols: list[dict[int, str] | None]
 
     # The compiled graph, spliced verbatim into the artifact. It defines
     # ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self, flat)``

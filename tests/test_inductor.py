@@ -161,3 +161,32 @@ def test_driver_reraises_other_assertions_unchanged() -> None:
         forward(_stub_model(), torch.zeros(2, 4))
     assert type(caught.value) is AssertionError
     assert str(caught.value) == "a user check failed"
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+
+def bn_train_step(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    loss = nn.functional.mse_loss(model(x), target)
+    loss.backward()
+    return loss.detach()
+
+
+def test_layout_error_on_a_late_input_changes_nothing() -> None:
+    # The graph updates BatchNorm's running stats before it reads `target`; the
+    # driver must reject target's layout before the graph runs at all.
+    x, target = torch.randn(4, 4), torch.randn(4, 4)
+    code, cache = pg.precompile(bn_train_step, _bn_model(), x, target)
+    forward = pg.load(code, cache)
+    model = _bn_model()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(pg.PrecompileError) as caught:
+        forward(model, x, target.t().contiguous().t())
+    assert "argument 2" in str(caught.value) and "strides" in str(caught.value)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())

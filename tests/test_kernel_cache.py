@@ -159,7 +159,9 @@ def test_fresh_process_without_the_payload_compiles(pair: Pair, tmp_path: Path) 
     stripped = _with_payload(pair, None)
     binaries = _binaries_after_fresh_process(tmp_path, pair.code, stripped)
     compiled = {name for name in binaries if name.endswith(".main.so")}
-    assert compiled and compiled.isdisjoint(_payload(pair)["files"])
+    shipped = _payload(pair)["files"]
+    assert isinstance(shipped, dict)
+    assert compiled and compiled.isdisjoint(shipped)
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,9 @@ BUFFER_NAMES: list[str] = [
 ]
 PARAM_SHAPES: list[tuple[int, ...]] = [(6, 4), (6,), (6,), (6,), (3, 6), (3,)]
 BUFFER_SHAPES: list[tuple[int, ...]] = [(6,), (6,), ()]
+# Strides of the example tensors; the inductor backend specialises on them.
+PARAM_STRIDES: list[tuple[int, ...]] = [(4, 1), (1,), (1,), (1,), (6, 1), (1,)]
+BUFFER_STRIDES: list[tuple[int, ...]] = [(1,), (1,), ()]
 PARAM_DTYPES: list[str] = [
     "torch.float32",
     "torch.float32",
@@ -128,6 +131,10 @@ USER_INPUT_SHAPES: list[tuple[int | None, ...] | None] = [(5, 4)]
 USER_INPUT_DTYPES: list[str | None] = ["torch.float32"]
 USER_INPUT_DEVICES: list[str | None] = ["cpu"]
 USER_INPUT_BOUNDS: list[dict[int, tuple[int | None, int | None]] | None] = [None]
+# Per leaf: strides (None for a non-tensor leaf or one with dynamic dims), and the
+# symbol of each dynamic dim; dims that share a symbol must have equal sizes.
+USER_INPUT_STRIDES: list[tuple[int, ...] | None] = [(4, 1)]
+USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None]
 
 # ====================================================================================
 # 3. Driver: validate the call, run the graph, scatter gradients
@@ -214,7 +221,25 @@ def _split_arguments(
         )
     for index, leaf in enumerate(leaves):
         _check_leaf(user_inputs, index, leaf)
+    _check_shared_sizes(user_inputs, leaves)
     return modules, leaves
+
+
+def _check_shared_sizes(user_inputs: tuple[object, ...], leaves: list[object]) -> None:
+    # Dynamic dims marked with one shape_id share a symbol in the graph, which
+    # assumes their sizes are equal.
+    seen: dict[str, tuple[str, int]] = {}
+    for index, symbols in enumerate(USER_INPUT_SYMBOLS):
+        for dim, symbol in (symbols or {}).items():
+            size = cast(torch.Tensor, leaves[index]).shape[dim]
+            where = f"{_leaf_name(user_inputs, index)} dim {dim}"
+            first = seen.setdefault(symbol, (where, size))
+            if first[1] != size:
+                _fail(
+                    f"{where} has size {size} but {first[0]} has size {first[1]}; "
+                    "their dims were marked with one mark_unbacked shape_id, so the "
+                    "graph assumes they are equal. Pass equal sizes in those dims."
+                )
 
 
 def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> None:

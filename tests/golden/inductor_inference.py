@@ -233,6 +233,9 @@ PARAM_NAMES: list[str] = ["0.weight", "0.bias", "2.weight", "2.bias"]
 BUFFER_NAMES: list[str] = []
 PARAM_SHAPES: list[tuple[int, ...]] = [(8, 4), (8,), (2, 8), (2,)]
 BUFFER_SHAPES: list[tuple[int, ...]] = []
+# Strides of the example tensors; the inductor backend specialises on them.
+PARAM_STRIDES: list[tuple[int, ...]] = [(4, 1), (1,), (8, 1), (1,)]
+BUFFER_STRIDES: list[tuple[int, ...]] = []
 PARAM_DTYPES: list[str] = [
     "torch.float32",
     "torch.float32",
@@ -256,6 +259,10 @@ USER_INPUT_SHAPES: list[tuple[int | None, ...] | None] = [(3, 4)]
 USER_INPUT_DTYPES: list[str | None] = ["torch.float32"]
 USER_INPUT_DEVICES: list[str | None] = ["cpu"]
 USER_INPUT_BOUNDS: list[dict[int, tuple[int | None, int | None]] | None] = [None]
+# Per leaf: strides (None for a non-tensor leaf or one with dynamic dims), and the
+# symbol of each dynamic dim; dims that share a symbol must have equal sizes.
+USER_INPUT_STRIDES: list[tuple[int, ...] | None] = [(4, 1)]
+USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None]
 
 # ====================================================================================
 # 3. Driver: validate the call, run the kernels, scatter gradients
@@ -342,7 +349,25 @@ def _split_arguments(
         )
     for index, leaf in enumerate(leaves):
         _check_leaf(user_inputs, index, leaf)
+    _check_shared_sizes(user_inputs, leaves)
     return modules, leaves
+
+
+def _check_shared_sizes(user_inputs: tuple[object, ...], leaves: list[object]) -> None:
+    # Dynamic dims marked with one shape_id share a symbol in the graph, which
+    # assumes their sizes are equal.
+    seen: dict[str, tuple[str, int]] = {}
+    for index, symbols in enumerate(USER_INPUT_SYMBOLS):
+        for dim, symbol in (symbols or {}).items():
+            size = cast(torch.Tensor, leaves[index]).shape[dim]
+            where = f"{_leaf_name(user_inputs, index)} dim {dim}"
+            first = seen.setdefault(symbol, (where, size))
+            if first[1] != size:
+                _fail(
+                    f"{where} has size {size} but {first[0]} has size {first[1]}; "
+                    "their dims were marked with one mark_unbacked shape_id, so the "
+                    "graph assumes they are equal. Pass equal sizes in those dims."
+                )
 
 
 def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> None:
@@ -524,56 +549,64 @@ def forward(*args: object) -> object:
     modules, leaves = _split_arguments(args)
     tensors, names = _module_state(modules)
     _check_module_state(modules, tensors, names)
+    _check_layouts(args, tensors, names, leaves)
     try:
         flat_outputs = call([*tensors, *leaves])
     except AssertionError as error:
-        # Inductor bakes each input's strides into assert_size_stride; a tensor with
-        # the example's shape but another layout fails there, before any kernel runs.
-        # Any other assertion is not ours to reinterpret.
+        # The layouts were checked above; should Inductor's own assert_size_stride
+        # still object, say so in the same terms. Any other assertion is not ours to
+        # reinterpret.
         text = str(error)
-        dynamic = _dynamic_sizes(args)
-        if dynamic and _is_size_mismatch(text):
-            # Every static size was checked above, so the graph rejected a dynamic
-            # dim whose symbol it had already bound from another input.
-            _fail(
-                "inputs whose dims were marked with the same mark_unbacked shape_id "
-                "must have equal sizes there, but they differ in this call (dynamic "
-                f"dims: {dynamic}). Pass equal sizes in those dims. Inductor "
-                f"reported: {text.splitlines()[0]}"
-            )
         if not (
             ("expected size" in text and "stride" in text)
             or "wrong number of dimensions" in text
         ):
             raise
         _fail(
-            "a tensor passed to the compiled graph has the example's shape but a "
-            "different memory layout (strides), which the inductor backend "
-            "specialises on. This can be an input or a model parameter/buffer (e.g. "
-            "a transposed or channels_last tensor where the example was contiguous). "
-            "Pass tensors in the example's layout (.contiguous() for a contiguous "
-            f"example), or capture with backend='eager'. Inductor reported: {text}"
+            "a tensor passed to the compiled graph has a size or memory layout "
+            "(strides) other than the example's, which the inductor backend "
+            "specialises on. Pass tensors in the example's layout (.contiguous() for "
+            "a contiguous example), or capture with backend='eager'. Inductor "
+            f"reported: {text.splitlines()[0] if text else text}"
         )
     return _finish(tensors, flat_outputs)
 
 
-def _is_size_mismatch(text: str) -> bool:
-    # Inductor words it "expected size 5==3, stride 4==4 at dim=0" (actual==expected).
-    sizes = text.partition("expected size ")[2].partition(",")[0]
-    actual, equals, expected = sizes.partition("==")
-    return bool(equals) and actual != expected
-
-
-def _dynamic_sizes(args: tuple[object, ...]) -> str:
-    """Each dynamic dim of the call's inputs and its size: "argument 1 dim 0 = 5"."""
+def _check_layouts(
+    args: tuple[object, ...],
+    tensors: list[torch.Tensor],
+    names: list[str],
+    leaves: list[object],
+) -> None:
+    """Inductor specialises on every input's strides and asserts them inside the
+    graph, possibly after it has updated buffers in place; check them first."""
+    expected = PARAM_STRIDES + BUFFER_STRIDES
+    for name, tensor, strides in zip(names, tensors, expected):
+        if not _same_layout(tensor, strides):
+            _fail(_layout_message(f"the model's {name!r}", tensor, strides))
     user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-    leaves = pytree.tree_leaves(user_inputs)
-    return ", ".join(
-        f"{_leaf_name(user_inputs, index)} dim {dim} = {leaf.shape[dim]}"
-        for index, (leaf, shape) in enumerate(zip(leaves, USER_INPUT_SHAPES))
-        if isinstance(leaf, torch.Tensor) and shape is not None
-        for dim, size in enumerate(shape)
-        if size is None
+    for index, (leaf, leaf_strides) in enumerate(zip(leaves, USER_INPUT_STRIDES)):
+        if leaf_strides is not None:
+            tensor = cast(torch.Tensor, leaf)
+            if not _same_layout(tensor, leaf_strides):
+                where = _leaf_name(user_inputs, index)
+                _fail(_layout_message(where, tensor, leaf_strides))
+
+
+def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    # A dim of size 0 or 1 is never stepped over, so its stride does not matter.
+    return all(
+        size <= 1 or got == want
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides)
+    )
+
+
+def _layout_message(what: str, tensor: torch.Tensor, strides: tuple[int, ...]) -> str:
+    return (
+        f"{what} has strides {tuple(tensor.stride())}, but the example had {strides}: "
+        "the same shape in another memory layout (e.g. transposed or channels_last), "
+        "which the inductor backend specialises on. Pass it in the example's layout "
+        "(.contiguous() for a contiguous example), or capture with backend='eager'."
     )
 
 
