@@ -151,3 +151,19 @@ def test_inductor_golden_splices_the_graph_verbatim() -> None:
 def test_goldens_have_no_stale_files() -> None:
     on_disk = {path.stem for path in GOLDEN_DIR.glob("*.py")}
     assert on_disk == set(CASES)
+
+
+def test_renderer_never_reads_python_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every artifact line comes from a template or the CaptureResult, never from
+    # reading code out of a live module.
+    import inspect
+
+    captures = [case() for case in CASES.values()]
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the renderer read Python source with inspect")
+
+    for name in ("getsource", "getsourcelines", "findsource"):
+        monkeypatch.setattr(inspect, name, forbidden)
+    for cap in captures:
+        assert pg.parse_metadata(pg.render_artifact(cap))["BACKEND"] == cap.backend
