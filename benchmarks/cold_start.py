@@ -35,16 +35,19 @@ import precompile_gen
 from precompile_gen import demo
 
 system, step, code_path, cache_path = sys.argv[1:5]
-api = precompile_gen if system == "precompile_gen" else torch.compiler.precompile
+if system == "precompile_gen":
+    precompile, load = precompile_gen.precompile, precompile_gen.load
+else:
+    precompile, load = torch.compiler.precompile, torch.compiler.precompile.load
 model, images, labels = demo.example()
 start = time.perf_counter()
 if step == "precompile":
-    code, cache = api(demo.train_step, model, images, labels)
+    code, cache = precompile(demo.train_step, model, images, labels)
     open(code_path, "w", encoding="utf-8").write(code)
     open(cache_path, "wb").write(cache)
 else:
     code = open(code_path, encoding="utf-8").read()
-    forward = api.load(code, open(cache_path, "rb").read())
+    forward = load(code, open(cache_path, "rb").read())
     forward(model, images, labels)
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
