@@ -181,6 +181,10 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_DTYPES": [f32, f32, None],
         "USER_INPUT_DEVICES": ["cpu", "cpu", None],
         "USER_INPUT_BOUNDS": [None, None, None],
+        "PARAM_STRIDES": [(4, 1), (1,), (1,), (1,)],
+        "BUFFER_STRIDES": [(1,), (1,), ()],
+        "USER_INPUT_STRIDES": [(4, 1), (1,), None],
+        "USER_INPUT_SYMBOLS": [None, None, None],
     }
     assert list(meta) == [
         "BACKEND",
@@ -190,6 +194,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BUFFER_NAMES",
         "PARAM_SHAPES",
         "BUFFER_SHAPES",
+        "PARAM_STRIDES",
+        "BUFFER_STRIDES",
         "PARAM_DTYPES",
         "BUFFER_DTYPES",
         "PARAM_DEVICES",
@@ -201,6 +207,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_DTYPES",
         "USER_INPUT_DEVICES",
         "USER_INPUT_BOUNDS",
+        "USER_INPUT_STRIDES",
+        "USER_INPUT_SYMBOLS",
     ]
 
 
