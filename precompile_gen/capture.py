@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from precompile_gen import dynamic_dims
+from precompile_gen import dynamic_dims, kernel_binaries, timings
 from precompile_gen.capture_result import (
     BACKENDS,
     Backend,
@@ -42,8 +42,20 @@ def capture(
 ) -> CaptureResult:
     """Trace ``fn(*example_inputs)`` and lower the graph; no artifact text yet."""
     checked = _check_arguments(fn, backend, tracer)
-    traced = trace(fn, example_inputs, backend=checked, decompositions=decompositions)
-    return lower(traced, checked)
+    what = f"capture of {_fn_name(fn)!r} (backend {checked!r})"
+    # make_fx and fx's patcher keep the current tracer in module globals, so two
+    # traces on different threads corrupt each other; captures take turns.
+    with timings.recording(what), kernel_binaries.TORCH_STATE_LOCK:
+        with timings.stage("capture"):
+            traced = trace(
+                fn, example_inputs, backend=checked, decompositions=decompositions
+            )
+        with timings.stage("lowering"):
+            return lower(traced, checked)
+
+
+def _fn_name(fn: object) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _check_arguments(fn: object, backend: str, tracer: str) -> Backend:
@@ -141,7 +153,7 @@ def trace(
     decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
-    fn_name = getattr(fn, "__name__", type(fn).__name__)
+    fn_name = _fn_name(fn)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]

@@ -35,6 +35,8 @@ METADATA_NAMES: tuple[str, ...] = (
     "BUFFER_DTYPES",
     "PARAM_DEVICES",
     "BUFFER_DEVICES",
+    "PARAM_REQUIRES_GRAD",
+    "BUFFER_REQUIRES_GRAD",
     "GRAD_PARAM_INDICES",
     "IN_SPEC",
     "OUT_SPEC",
@@ -74,6 +76,10 @@ class CaptureResult:
     buffer_dtypes: list[str]
     param_devices: list[str]
     buffer_devices: list[str]
+    # Which tensors required grad at capture: it decided which gradients the graph
+    # computes, so the driver holds the runtime model to it.
+    param_requires_grad: list[bool]
+    buffer_requires_grad: list[bool]
     grad_param_indices: list[int]
     # ``treespec_dumps`` of the user inputs, or None when that spec cannot be
     # serialised (the driver then skips the structure check).

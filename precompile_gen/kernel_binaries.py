@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import re
+import reprlib
 import shutil
 import sysconfig
 import threading
@@ -49,8 +50,17 @@ LOAD_CONFIG: dict[str, object] = {"cpp_cache_precompile_headers": False}
 _BINARY_PATH = re.compile(r"[a-z0-9]{2}/c[a-z0-9]{51}\.(main\.)?so")
 _PROBE_MARKER = ".load_ok"
 
-# config.patch changes process-wide state; loads that use it take turns.
-_CONFIG_LOCK = threading.Lock()
+# A payload read from a hostile cache can hold huge or deeply nested values; reasons
+# show them through this, which bounds both length and depth (repr could recurse).
+_bounded_repr = reprlib.Repr()
+_bounded_repr.maxlevel = 3
+_bounded_repr.maxstring = _bounded_repr.maxother = 60
+_describe = _bounded_repr.repr
+
+# torch's tracer (make_fx, fx's patcher) and inductor's compiler (config.patch,
+# kernel compilation) keep process-wide state: capture, lowering, the kernel scan and
+# executing an inductor artifact take turns on this lock.
+TORCH_STATE_LOCK = threading.RLock()
 
 
 def build_fingerprint() -> dict[str, str]:
@@ -160,7 +170,7 @@ def loading_config() -> Generator[None]:
     """Inductor configuration for executing an artifact whose kernels were primed."""
     from torch._inductor import config
 
-    with _CONFIG_LOCK, config.patch(LOAD_CONFIG):
+    with TORCH_STATE_LOCK, config.patch(LOAD_CONFIG):
         yield
 
 
@@ -174,7 +184,7 @@ def _unusable(payload: object) -> str | None:
         return "its file manifest is malformed"
     for name, data in files.items():
         if not isinstance(name, str) or not _BINARY_PATH.fullmatch(name):
-            return f"it names an unexpected file {name!r}"
+            return f"it names an unexpected file {_describe(name)}"
         if not isinstance(data, bytes):
             return f"the binary {name} is not bytes"
         if hashlib.sha256(data).hexdigest() != digests.get(name):
@@ -186,7 +196,8 @@ def _unusable(payload: object) -> str | None:
     differing = [key for key in here if built.get(key) != here[key]]
     if differing:
         details = ", ".join(
-            f"{key} {built.get(key)!r} (here {here[key]!r})" for key in differing
+            f"{key} {_describe(built.get(key))} (here {here[key]!r})"
+            for key in differing
         )
         return f"they were built for a different environment: {details}"
     return None

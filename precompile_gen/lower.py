@@ -7,21 +7,21 @@ epilogue), whose compiled binaries go into the cache.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
-from precompile_gen import kernel_binaries
+from precompile_gen import kernel_binaries, timings
 from precompile_gen.capture_result import Backend, CaptureResult
 from precompile_gen.errors import PrecompileError
 
 if TYPE_CHECKING:
     from precompile_gen.capture import TracedGraph
 
-# Inductor lowering swaps process-global compiler state; one lowering at a time.
-_INDUCTOR_LOCK = threading.Lock()
+# Inductor lowering swaps process-global compiler state; one lowering at a time, and
+# not while a load executes an inductor artifact under a patched config.
+_INDUCTOR_LOCK = kernel_binaries.TORCH_STATE_LOCK
 
 
 def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
@@ -57,6 +57,8 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         buffer_dtypes=[str(t.dtype) for t in buffers],
         param_devices=[str(t.device) for t in params],
         buffer_devices=[str(t.device) for t in buffers],
+        param_requires_grad=[t.requires_grad for t in params],
+        buffer_requires_grad=[t.requires_grad for t in buffers],
         grad_param_indices=traced.grad_param_indices,
         in_spec=in_spec,
         out_spec=out_spec,
@@ -129,7 +131,8 @@ def _inductor_graph(traced: TracedGraph) -> tuple[str, dict[str, object]]:
             graph_source, _ = aot_autograd.compile_to_python(
                 traced.gm, traced.flat_args, options=options
             )
-            return graph_source, kernel_binaries.collect(graph_source)
+            with timings.stage("cache"):
+                return graph_source, kernel_binaries.collect(graph_source)
     except NoRunnableInductorModuleError as error:
         raise PrecompileError(
             "the inductor backend has nothing to compile: the function returns its "

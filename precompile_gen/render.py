@@ -1,26 +1,34 @@
 """Render: ``CaptureResult`` -> artifact text, through the templates only.
 
-The templates are rendered with a one-line marker where the compiled graph goes; black
-formats that (small) text, and the graph is spliced in afterwards. So black never sees
-the graph, the graph never passes through Jinja, and the cost of a huge graph is one
-string copy.
+The templates are rendered with a one-line marker where the compiled graph goes, and
+the graph is spliced in afterwards: the graph never passes through Jinja or black, and
+the cost of a huge graph is one string copy.
+
+The templates emit code exactly as black (pinned version) formats it, and tests hold
+them to it, so a render does not run black: black takes ~0.25 ms a line, and a large
+model's metadata runs to thousands of lines. The metadata literals, the only code whose
+layout depends on the capture, are laid out by ``assignment`` the way black lays them
+out; tests compare the two on thousands of values.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import jinja2
 
 from precompile_gen.capture_result import CaptureResult
 
-# A comment line survives black unchanged at module level; it is replaced by the graph.
+# A comment line, which black leaves alone at module level; replaced by the graph.
 GRAPH_MARKER = "# <precompile_gen: compiled graph>"
+_FIRST_NON_NEWLINE = re.compile(r"[^\n]")
 
-# Fixed so that the same capture renders the same bytes whatever black's defaults or
-# the user's configuration files say.
+# Black's settings the templates and ``assignment`` follow, fixed whatever black's
+# defaults or the user's configuration files say.
 BLACK_LINE_LENGTH = 88
 
 
@@ -42,6 +50,10 @@ def literal(value: object) -> str:
 
     Deterministic: dict entries are sorted, so equal dicts render identically.
     """
+    return _render(value, repr)
+
+
+def _render(value: object, atom: Callable[[object], str]) -> str:
     if type(value) not in _LITERAL_TYPES:
         raise TypeError(
             f"cannot render a {type(value).__name__} as a Python literal: {value!r}"
@@ -49,16 +61,24 @@ def literal(value: object) -> str:
     if isinstance(value, float) and not math.isfinite(value):
         raise TypeError(f"cannot render the non-finite float {value!r} as a literal")
     if isinstance(value, list):
-        return "[" + ", ".join(literal(v) for v in value) + "]"
+        return "[" + ", ".join(_render(v, atom) for v in value) + "]"
     if isinstance(value, tuple):
-        items = [literal(v) for v in value]
+        items = [_render(v, atom) for v in value]
         return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
     if isinstance(value, dict):
-        rendered = sorted(
-            (_sort_key(k), literal(k), literal(v)) for k, v in value.items()
+        return (
+            "{"
+            + ", ".join(
+                f"{_render(k, atom)}: {_render(v, atom)}"
+                for k, v in _sorted_items(value)
+            )
+            + "}"
         )
-        return "{" + ", ".join(f"{k}: {v}" for _, k, v in rendered) + "}"
-    return repr(value)
+    return atom(value)
+
+
+def _sorted_items(value: dict[object, object]) -> list[tuple[object, object]]:
+    return sorted(value.items(), key=lambda item: _sort_key(item[0]))
 
 
 def _sort_key(key: object) -> tuple[int, int, str]:
@@ -67,6 +87,68 @@ def _sort_key(key: object) -> tuple[int, int, str]:
     if isinstance(key, int) and type(key) is int:
         return (0, key, "")
     return (1, 0, literal(key))
+
+
+def assignment(value: object, target: str) -> str:
+    """``target = value`` as black formats it: on one line if it fits, else split at
+    the value's brackets, one element a line, recursively; a too-long atom in
+    parentheses."""
+    return "\n".join(_layout(f"{target} = ", value, "", 0, top=True))
+
+
+def _layout(head: str, value: object, tail: str, depth: int, *, top: bool) -> list[str]:
+    indent = "    " * depth
+    flat = _render(value, _black_atom)
+    if len(indent) + len(head) + len(flat) + len(tail) <= BLACK_LINE_LENGTH:
+        return [indent + head + flat + tail]
+    if not isinstance(value, list | tuple | dict) or not value:
+        # An atom that does not fit goes into parentheses on a line of its own: after
+        # an annotated target always, after a plain one only if that makes it fit.
+        wrapped = f"{indent}    {flat}"
+        if top and (":" in head or len(wrapped) <= BLACK_LINE_LENGTH):
+            return [indent + head + "(", wrapped, indent + ")" + tail]
+        return [indent + head + flat + tail]
+    opening, closing = {list: "[]", tuple: "()", dict: "{}"}[type(value)]
+    items: list[tuple[str, object]] = (
+        [(_render(k, _black_atom) + ": ", v) for k, v in _sorted_items(value)]
+        if isinstance(value, dict)
+        else [("", v) for v in value]
+    )
+    # Black gives each element a line of its own, with a trailing comma, where a
+    # comma separates the elements; a lone element (but a 1-tuple) keeps no comma.
+    comma = "," if len(items) > 1 or isinstance(value, tuple) else ""
+    lines = [indent + head + opening]
+    for item_head, item in items:
+        lines += _layout(item_head, item, comma, depth + 1, top=False)
+    lines.append(indent + closing + tail)
+    return lines
+
+
+def _black_atom(value: object) -> str:
+    text = repr(value)
+    if isinstance(value, float):
+        # Black drops the sign of a positive exponent: 1e+16 -> 1e16.
+        return text.replace("e+", "e")
+    if isinstance(value, str):
+        singles, doubles = value.count("'"), value.count('"')
+    elif isinstance(value, bytes):
+        singles, doubles = value.count(b"'"), value.count(b'"')
+    else:
+        return text
+    # repr quotes with ' (escaping each ' in the text) unless the text has a ' and no
+    # ". Black prefers ", escaping each " instead, unless that takes more backslashes.
+    if text.endswith('"') or doubles > singles:
+        return text
+    prefix = "b" if isinstance(value, bytes) else ""
+    body = text[len(prefix) + 1 : -1].replace("\\'", "'").replace('"', '\\"')
+    return f'{prefix}"{body}"'
+
+
+def comment_text(text: str) -> str:
+    """``text`` made safe for a one-line ``#`` comment: line breaks and other
+    unprintable characters are escaped, so no name can end the comment and
+    inject code into the artifact."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 @functools.cache
@@ -80,10 +162,14 @@ def environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["literal"] = literal
+    env.filters["assignment"] = assignment
+    env.filters["comment_text"] = comment_text
     return env
 
 
 def format_python(source: str) -> str:
+    """``source`` as black formats it, with the artifact's settings: what the
+    templates' output must equal (tests and template authors use it)."""
     import black  # imported lazily: only rendering needs it, and it is slow to import
 
     mode = black.Mode(
@@ -93,22 +179,37 @@ def format_python(source: str) -> str:
     return black.format_str(source, mode=mode)
 
 
-def render_artifact(cap: CaptureResult) -> str:
-    """The artifact's text for ``cap``; the same capture always gives the same bytes."""
+def render_skeleton(cap: CaptureResult) -> str:
+    """The artifact's text with ``GRAPH_MARKER`` where the compiled graph goes.
+
+    The templates emit black-formatted code, so the skeleton is final as rendered
+    (tests check that black leaves it unchanged).
+    """
     skeleton = (
         environment()
         .get_template("artifact.py.j2")
         .render(cap=cap, graph_marker=GRAPH_MARKER)
     )
-    formatted = format_python(skeleton)
-    if formatted.count(GRAPH_MARKER) != 1:
+    if skeleton.count(GRAPH_MARKER) != 1:
         raise RuntimeError("artifact.py.j2 must place the graph marker exactly once")
-    before, after = formatted.split(GRAPH_MARKER)
-    # Two blank lines on each side, as black would put around a top-level def.
-    return (
-        before.rstrip("\n")
-        + "\n\n\n"
-        + cap.graph_source.strip("\n")
-        + "\n\n\n"
-        + after.lstrip("\n")
-    )
+    return skeleton
+
+
+def render_artifact(cap: CaptureResult) -> str:
+    """The artifact's text for ``cap``; the same capture always gives the same bytes."""
+    before, after = render_skeleton(cap).split(GRAPH_MARKER)
+    # The graph is copied once, into the result, whatever its size: its trailing
+    # newlines count towards the two blank lines after it, so that only leading blank
+    # lines or more than three trailing newlines cost a copy to drop them first.
+    graph = cap.graph_source
+    first = _FIRST_NON_NEWLINE.search(graph)
+    begin = first.start() if first else len(graph)
+    end = len(graph)
+    while end > begin and graph[end - 1] == "\n":
+        end -= 1
+    if begin == 0 and len(graph) - end <= 3:
+        ending = "\n" * (3 - (len(graph) - end))
+    else:
+        graph, ending = graph[begin:end], "\n\n\n"
+    # Two blank lines on each side, as black puts around a top-level def.
+    return "".join([before.rstrip("\n"), "\n\n\n", graph, ending, after.lstrip("\n")])

@@ -63,6 +63,8 @@ def stub_capture(backend: Backend) -> CaptureResult:
         buffer_dtypes=["torch.float32"],
         param_devices=["cpu"],
         buffer_devices=["cpu"],
+        param_requires_grad=[True],
+        buffer_requires_grad=[False],
         grad_param_indices=[0],
         in_spec=_INPUT_SPEC,
         out_spec=_FLAT_SPEC,

@@ -88,6 +88,8 @@ def inductor_inference() -> pg.CaptureResult:
         buffer_dtypes=[],
         param_devices=["cpu"] * 4,
         buffer_devices=[],
+        param_requires_grad=[True] * 4,
+        buffer_requires_grad=[],
         grad_param_indices=[],
         in_spec=(
             '[1, {"type": "builtins.tuple", "context": "null", "children_spec": '

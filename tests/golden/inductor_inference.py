@@ -14,7 +14,8 @@
 #
 # The contract in brief:
 # - The runtime model must have the traced model's structure: the same parameter and
-#   buffer names, order, tying, shapes, dtypes and devices. Only values may differ.
+#   buffer names, order, tying, shapes, dtypes, devices and requires_grad flags. Only
+#   values may differ.
 # - Control flow and shapes are specialised to the example inputs; each input must have
 #   the example's structure, shape, dtype and device (and memory layout).
 # - If the traced function ran a backward, each call adds the parameter gradients to
@@ -245,6 +246,10 @@ PARAM_DTYPES: list[str] = [
 BUFFER_DTYPES: list[str] = []
 PARAM_DEVICES: list[str] = ["cpu", "cpu", "cpu", "cpu"]
 BUFFER_DEVICES: list[str] = []
+# Which tensors required grad at capture; that decided which gradients the graph
+# computes, so the runtime model's must be the same.
+PARAM_REQUIRES_GRAD: list[bool] = [True, True, True, True]
+BUFFER_REQUIRES_GRAD: list[bool] = []
 # The k-th trailing gradient output of `call` belongs to PARAM_NAMES[GRAD_PARAM_INDICES[k]].
 GRAD_PARAM_INDICES: list[int] = []
 # Pytree specs (treespec_dumps) of the non-module arguments and of the result. IN_SPEC
@@ -267,7 +272,10 @@ USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None]
 # ====================================================================================
 # 3. Driver: validate the call, run the kernels, scatter gradients
 # ====================================================================================
-from typing import NoReturn, cast
+import weakref
+from itertools import chain
+from operator import attrgetter
+from typing import Any, NoReturn, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -303,6 +311,40 @@ _STATE_NAMES: list[str] = PARAM_NAMES + BUFFER_NAMES
 _STATE_SHAPES: list[tuple[int, ...]] = PARAM_SHAPES + BUFFER_SHAPES
 _STATE_DTYPES: list[str] = PARAM_DTYPES + BUFFER_DTYPES
 _STATE_DEVICES: list[str] = PARAM_DEVICES + BUFFER_DEVICES
+_STATE_REQUIRES_GRAD: list[bool] = PARAM_REQUIRES_GRAD + BUFFER_REQUIRES_GRAD
+# Where the example's other arguments were all tensors, a call passing plain tensors
+# there needs no pytree flattening: the arguments are the leaves.
+_TENSOR_ARGUMENTS: bool = (
+    _IN_SPEC is not None
+    and _IN_SPEC == pytree.tree_structure(tuple(_USER_POSITIONS))
+    and None not in USER_INPUT_SHAPES
+)
+
+
+def _leaf_signature(index: int) -> tuple[torch.Size, torch.dtype, torch.device] | None:
+    """The example leaf's shape, dtype and device as a tensor reports them, so that a
+    matching leaf costs one comparison; None where only the full check will do (a
+    non-tensor or a dynamic dim)."""
+    shape, dtype, device = (
+        USER_INPUT_SHAPES[index],
+        USER_INPUT_DTYPES[index],
+        USER_INPUT_DEVICES[index],
+    )
+    if shape is None or None in shape or dtype is None or device is None:
+        return None
+    dtype_object = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype_object, torch.dtype):
+        return None
+    return torch.Size(cast(tuple[int, ...], shape)), dtype_object, torch.device(device)
+
+
+_LEAF_SIGNATURES: list[tuple[torch.Size, torch.dtype, torch.device] | None] = [
+    _leaf_signature(index) for index in range(len(USER_INPUT_SHAPES))
+]
+# The leaves with dynamic dims: (leaf index, {dim: symbol}).
+_LEAF_SYMBOLS: list[tuple[int, dict[int, str]]] = [
+    (index, symbols) for index, symbols in enumerate(USER_INPUT_SYMBOLS) if symbols
+]
 
 
 def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
@@ -333,22 +375,33 @@ def _split_arguments(
                 f"at position {position}."
             )
         modules.append(module)
-    user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-    leaves, spec = pytree.tree_flatten(user_inputs)
-    if _IN_SPEC is not None and spec != _IN_SPEC:
-        _fail(
-            "the inputs are nested differently from the captured example: expected "
-            f"{pytree.treespec_pprint(_IN_SPEC)}, got {pytree.treespec_pprint(spec)} "
-            "(the module positions shown as omitted). Pass inputs with the example's "
-            "containers, keys and lengths."
-        )
-    if len(leaves) != len(USER_INPUT_SHAPES):
-        _fail(
-            f"the inputs flatten to {len(leaves)} leaves, but the captured example had "
-            f"{len(USER_INPUT_SHAPES)}. Pass inputs with the example's structure."
-        )
+    user_inputs = tuple([args[i] for i in _USER_POSITIONS])
+    if _TENSOR_ARGUMENTS and all(type(a) is torch.Tensor for a in user_inputs):
+        leaves: list[object] = list(user_inputs)
+    else:
+        leaves, spec = pytree.tree_flatten(user_inputs)
+        if _IN_SPEC is not None and spec != _IN_SPEC:
+            _fail(
+                "the inputs are nested differently from the captured example: "
+                f"expected {pytree.treespec_pprint(_IN_SPEC)}, got "
+                f"{pytree.treespec_pprint(spec)} (the module positions shown as "
+                "omitted). Pass inputs with the example's containers, keys and "
+                "lengths."
+            )
+        if len(leaves) != len(USER_INPUT_SHAPES):
+            _fail(
+                f"the inputs flatten to {len(leaves)} leaves, but the captured example "
+                f"had {len(USER_INPUT_SHAPES)}. Pass inputs with the example's "
+                "structure."
+            )
     for index, leaf in enumerate(leaves):
-        _check_leaf(user_inputs, index, leaf)
+        signature = _LEAF_SIGNATURES[index]
+        if (
+            signature is None
+            or not isinstance(leaf, torch.Tensor)
+            or (leaf.shape, leaf.dtype, leaf.device) != signature
+        ):
+            _check_leaf(user_inputs, index, leaf)
     _check_shared_sizes(user_inputs, leaves)
     return modules, leaves
 
@@ -357,8 +410,8 @@ def _check_shared_sizes(user_inputs: tuple[object, ...], leaves: list[object]) -
     # Dynamic dims marked with one shape_id share a symbol in the graph, which
     # assumes their sizes are equal.
     seen: dict[str, tuple[str, int]] = {}
-    for index, symbols in enumerate(USER_INPUT_SYMBOLS):
-        for dim, symbol in (symbols or {}).items():
+    for index, symbols in _LEAF_SYMBOLS:
+        for dim, symbol in symbols.items():
             size = cast(torch.Tensor, leaves[index]).shape[dim]
             where = f"{_leaf_name(user_inputs, index)} dim {dim}"
             first = seen.setdefault(symbol, (where, size))
@@ -465,8 +518,13 @@ def _check_module_state(
             "architecture (only weight values may differ), or capture again with "
             "this model."
         )
-    for name, tensor, shape, dtype, device in zip(
-        names, tensors, _STATE_SHAPES, _STATE_DTYPES, _STATE_DEVICES
+    for name, tensor, shape, dtype, device, requires_grad in zip(
+        names,
+        tensors,
+        _STATE_SHAPES,
+        _STATE_DTYPES,
+        _STATE_DEVICES,
+        _STATE_REQUIRES_GRAD,
     ):
         if tuple(tensor.shape) != tuple(shape):
             _fail(
@@ -485,6 +543,13 @@ def _check_module_state(
                 f"the model's {name!r} is on device {str(tensor.device)!r}, but the "
                 f"traced model's was on {device!r}. Move the model with "
                 f".to({device!r}), or capture again on this device."
+            )
+        if tensor.requires_grad != requires_grad:
+            _fail(
+                f"the model's {name!r} has requires_grad={tensor.requires_grad}, but "
+                f"the traced model's had {requires_grad}, and which gradients the "
+                "graph computes was fixed by it. Set it back with "
+                f".requires_grad_({requires_grad}), or capture again with this setting."
             )
 
 
@@ -528,17 +593,151 @@ def _describe_state_difference(modules: list[torch.nn.Module], names: list[str])
     return "; ".join(problems)
 
 
+# --- The fast path for an unchanged model ------------------------------------------
+# The full check of the model walks every module and compares every tensor, which
+# costs more than a small graph's run. So what it established is remembered with
+# cheap signals that it still holds: the same module objects; each module's member
+# dicts unchanged (setting, replacing or deleting a parameter, buffer or submodule
+# changes its dict's version tag); and each tensor's type, dtype, device, shape,
+# strides and requires_grad as they were (``.to()``, ``.data = ...`` and
+# ``requires_grad_()`` change those in place). Both signals are read by torch's C++
+# guard primitives. A call that any signal fails gets the full check again.
+
+# The members the full check enumerates are exactly those in these dicts.
+_MEMBER_DICTS = attrgetter("_parameters", "_buffers", "_modules")
+# ... as long as no module overrides how nn.Module enumerates them.
+_ENUMERATORS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
+
+
+def _guard_primitives() -> tuple[Any, Any] | None:
+    """torch's ``TensorGuards`` and ``dict_version``, or None if this torch lacks
+    them or they miss a change the fast path relies on them to see."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards, dict_version
+
+        probe = torch.zeros(2)
+        members: dict[str, object] = {}
+        before = dict_version(members)
+        members["probe"] = probe
+        guard = cast(Any, TensorGuards)(
+            probe, dynamic_dims_sizes=[[2]], dynamic_dims_strides=[[1]]
+        )
+        works = (
+            dict_version(members) != before
+            and guard.check(probe)
+            and not guard.check(probe.double())
+            and not guard.check(probe.requires_grad_())
+        )
+    except Exception:  # internal APIs: absent or changed in this torch build
+        return None
+    return (TensorGuards, dict_version) if works else None
+
+
+_GUARD_PRIMITIVES: tuple[Any, Any] | None = _guard_primitives()
+
+
+class _Remembered:
+    """A model that passed the full check, and how to tell it is unchanged since."""
+
+    def __init__(
+        self,
+        modules: list[torch.nn.Module],
+        descendants: list[torch.nn.Module],
+        tensors: list[torch.Tensor],
+    ) -> None:
+        assert _GUARD_PRIMITIVES is not None
+        tensor_guards, self.dict_version = _GUARD_PRIMITIVES
+        # The call's modules are held weakly, so that the artifact never keeps a model
+        # alive; what they contain is held while remembered, so that its identity and
+        # version tags cannot be reused by other objects.
+        self.module_refs = [weakref.ref(module, _forget) for module in modules]
+        self.descendants = descendants
+        self.tensors = tensors
+        self.versions = self.member_versions(modules)
+        self.tensor_guard = tensor_guards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
+
+    def member_versions(self, modules: list[torch.nn.Module]) -> list[int]:
+        everything = chain(modules, self.descendants)
+        dicts = chain.from_iterable(map(_MEMBER_DICTS, everything))
+        return list(map(self.dict_version, dicts))
+
+    def holds_for(self, modules: list[torch.nn.Module]) -> bool:
+        if len(modules) != len(self.module_refs):
+            return False
+        for ref, module in zip(self.module_refs, modules):
+            if ref() is not module:
+                return False
+        return self.member_versions(modules) == self.versions and bool(
+            self.tensor_guard.check(*self.tensors)
+        )
+
+
+_remembered: _Remembered | None = None
+
+
+def _remembered_state(modules: list[torch.nn.Module]) -> list[torch.Tensor] | None:
+    """The modules' tensors if they passed the full check before and nothing it
+    relied on has changed since; otherwise None, and the full check must run."""
+    remembered = _remembered
+    if remembered is not None and remembered.holds_for(modules):
+        return remembered.tensors
+    return None
+
+
+def _remember(modules: list[torch.nn.Module], tensors: list[torch.Tensor]) -> None:
+    """Remember modules that just passed the full check, if the signals can vouch
+    for them: plain dicts (an OrderedDict reorders without a new version tag) and
+    nn.Module's own enumeration."""
+    global _remembered
+    _remembered = None
+    if _GUARD_PRIMITIVES is None:
+        return
+    descendants = [sub for m in modules for sub in m.modules() if sub is not m]
+    everything = [*modules, *descendants]
+    if any(
+        type(members) is not dict
+        for members in chain.from_iterable(map(_MEMBER_DICTS, everything))
+    ) or any(
+        getattr(type(module), name) is not getattr(torch.nn.Module, name)
+        for module in everything
+        for name in _ENUMERATORS
+    ):
+        return
+    try:
+        _remembered = _Remembered(modules, descendants, tensors)
+    except Exception:  # a tensor TensorGuards cannot describe: no fast path for it
+        _remembered = None
+
+
+def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
+    # A remembered module was garbage collected: release what was held for it.
+    global _remembered
+    remembered = _remembered
+    if remembered is not None and any(ref is dead for ref in remembered.module_refs):
+        _remembered = None
+
+
 def _finish(tensors: list[torch.Tensor], flat_outputs: list[object]) -> object:
     """Add the trailing gradient outputs to the parameters' ``.grad`` as eager
     ``.backward()`` would, then rebuild the function's own result."""
     num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
+    accumulate_into: list[torch.Tensor] = []
+    increments: list[torch.Tensor] = []
     for index, output in zip(GRAD_PARAM_INDICES, flat_outputs[num_results:]):
         grad = cast(torch.Tensor, output)
         param = tensors[index]
         if param.grad is None:
             param.grad = grad
         else:
-            param.grad.add_(grad)
+            accumulate_into.append(param.grad)
+            increments.append(grad)
+    if accumulate_into:
+        # One call for all: a Python add_() per parameter costs more than the adds.
+        torch._foreach_add_(accumulate_into, increments)
     return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
 
 
@@ -547,9 +746,13 @@ def forward(*args: object) -> object:
     traced function took. Returns the function's result; gradients it computed are
     added to the model's ``.grad`` fields."""
     modules, leaves = _split_arguments(args)
-    tensors, names = _module_state(modules)
-    _check_module_state(modules, tensors, names)
-    _check_layouts(args, tensors, names, leaves)
+    tensors = _remembered_state(modules)
+    if tensors is None:
+        tensors, names = _module_state(modules)
+        _check_module_state(modules, tensors, names)
+        _check_state_layouts(tensors, names)
+        _remember(modules, tensors)
+    _check_leaf_layouts(args, leaves)
     try:
         flat_outputs = call([*tensors, *leaves])
     except AssertionError as error:
@@ -572,25 +775,24 @@ def forward(*args: object) -> object:
     return _finish(tensors, flat_outputs)
 
 
-def _check_layouts(
-    args: tuple[object, ...],
-    tensors: list[torch.Tensor],
-    names: list[str],
-    leaves: list[object],
-) -> None:
+def _check_state_layouts(tensors: list[torch.Tensor], names: list[str]) -> None:
     """Inductor specialises on every input's strides and asserts them inside the
     graph, possibly after it has updated buffers in place; check them first."""
     expected = PARAM_STRIDES + BUFFER_STRIDES
     for name, tensor, strides in zip(names, tensors, expected):
         if not _same_layout(tensor, strides):
             _fail(_layout_message(f"the model's {name!r}", tensor, strides))
-    user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-    for index, (leaf, leaf_strides) in enumerate(zip(leaves, USER_INPUT_STRIDES)):
-        if leaf_strides is not None:
-            tensor = cast(torch.Tensor, leaf)
-            if not _same_layout(tensor, leaf_strides):
-                where = _leaf_name(user_inputs, index)
-                _fail(_layout_message(where, tensor, leaf_strides))
+
+
+def _check_leaf_layouts(args: tuple[object, ...], leaves: list[object]) -> None:
+    for index, (leaf, strides) in enumerate(zip(leaves, USER_INPUT_STRIDES)):
+        if strides is None:
+            continue
+        tensor = cast(torch.Tensor, leaf)
+        if tensor.stride() != strides and not _same_layout(tensor, strides):
+            user_inputs = tuple(args[i] for i in _USER_POSITIONS)
+            where = _leaf_name(user_inputs, index)
+            _fail(_layout_message(where, tensor, strides))
 
 
 def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
