@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
-from precompile_gen.cache import build_cache
+from precompile_gen import timings
+from precompile_gen.cache import build_cache, check_key
 from precompile_gen.capture import capture
+from precompile_gen.files import check_pair_paths, write_pair
 from precompile_gen.render import render_artifact
 
 
@@ -16,14 +19,39 @@ def precompile(
     backend: str = "inductor",
     tracer: str = "make_fx",
     decompositions: dict[Any, Callable[..., Any]] | None = None,
+    artifact_path: str | os.PathLike[str] | None = None,
+    cache_path: str | os.PathLike[str] | None = None,
+    key: bytes | None = None,
 ) -> tuple[str, bytes]:
-    """Capture ``fn(*example_inputs)``; return the artifact text and its cache."""
-    cap = capture(
-        fn,
-        *example_inputs,
-        backend=backend,
-        tracer=tracer,
-        decompositions=decompositions,
-    )
-    python_code = render_artifact(cap)
-    return python_code, build_cache(python_code, cap.backend, cap.cache_artifact)
+    """Capture ``fn(*example_inputs)``; return the artifact text and its cache.
+
+    With ``artifact_path`` and ``cache_path``, the pair is also written to those
+    files, atomically (see ``files.write_pair``). With ``key``, the cache carries an
+    HMAC-SHA256 signature that ``load(..., key=key)`` requires.
+    """
+    # Checked before the (possibly long) capture, so a typo fails at once.
+    if key is not None:
+        check_key(key)
+    if (artifact_path is None) != (cache_path is None):
+        raise ValueError(
+            "pass both artifact_path and cache_path, or neither: the two files are "
+            "one pair, and load needs both."
+        )
+    if artifact_path is not None and cache_path is not None:
+        check_pair_paths(artifact_path, cache_path)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    with timings.recording(f"precompile of {name!r} (backend {backend!r})"):
+        cap = capture(
+            fn,
+            *example_inputs,
+            backend=backend,
+            tracer=tracer,
+            decompositions=decompositions,
+        )
+        with timings.stage("render"):
+            python_code = render_artifact(cap)
+        with timings.stage("cache"):
+            cache = build_cache(python_code, cap.backend, cap.cache_artifact, key=key)
+    if artifact_path is not None and cache_path is not None:
+        write_pair(artifact_path, cache_path, python_code, cache)
+    return python_code, cache

@@ -4,13 +4,22 @@ The cache is a ``torch.save``d plain dict, so it is read with ``weights_only=Tru
 and reading it never runs code. It is only an acceleration: an envelope this version
 cannot read is skipped with a warning, while one that is readable but belongs to
 another artifact is an error, because it signals mixed-up files.
+
+A pair produced with a key also carries a signature: an HMAC-SHA256 under that key
+over python_code and the cache's payload (see ``signature``). ``load`` given the key
+accepts the pair only with a matching signature, and then nothing is skipped with a
+warning: an unreadable or unsigned cache is an error.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import logging
+import reprlib
+import struct
+from collections.abc import Callable
 
 import torch
 
@@ -21,82 +30,173 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = "precompile_gen"
 CACHE_VERSION = 1
 
+# Prefixed to what is signed, so a signature made for anything else under the same
+# key (another tool, a future layout of this one) never verifies here.
+_SIGNATURE_DOMAIN = "precompile_gen signature v1"
+
+# Values read from a hostile cache can be huge or deeply nested; messages show them
+# through this, which bounds both length and depth.
+_bounded_repr = reprlib.Repr()
+_bounded_repr.maxlevel = 3
+_bounded_repr.maxstring = _bounded_repr.maxother = 40
+_describe = _bounded_repr.repr
+
 
 def code_hash(python_code: str) -> str:
     return hashlib.sha256(python_code.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def check_key(key: object) -> bytes:
+    """``key`` as a signing key; ValueError unless it is non-empty bytes."""
+    if not isinstance(key, bytes) or not key:
+        got = "empty bytes" if isinstance(key, bytes) else type(key).__name__
+        raise ValueError(
+            "key must be non-empty bytes (the secret the pair is signed with, e.g. "
+            f"secrets.token_bytes(32)), got {got}."
+        )
+    return key
+
+
 def build_cache(
-    python_code: str, backend: str, artifact: dict[str, object] | None
+    python_code: str,
+    backend: str,
+    artifact: dict[str, object] | None,
+    key: bytes | None = None,
 ) -> bytes:
+    envelope: dict[str, object] = {
+        "format": CACHE_FORMAT,
+        "version": CACHE_VERSION,
+        "backend": backend,
+        "code_hash": code_hash(python_code),
+        "artifact": artifact,
+    }
+    if key is not None:
+        envelope["signature"] = signature(
+            check_key(key), python_code=python_code, backend=backend, artifact=artifact
+        )
     buffer = io.BytesIO()
-    torch.save(
-        {
-            "format": CACHE_FORMAT,
-            "version": CACHE_VERSION,
-            "backend": backend,
-            "code_hash": code_hash(python_code),
-            "artifact": artifact,
-        },
-        buffer,
-    )
+    torch.save(envelope, buffer)
     return buffer.getvalue()
 
 
+def signature(key: bytes, *, python_code: str, backend: str, artifact: object) -> bytes:
+    """HMAC-SHA256 under ``key`` over everything ``load`` acts on.
+
+    The signed message is a canonical encoding (see ``_feed_canonical``) of the list
+    [domain, format, version, backend, sha256 of python_code, artifact payload]. It is
+    computed from the decoded values, not from the envelope's bytes, because
+    ``torch.save`` output is not canonical (zip metadata, record names). Raises
+    TypeError for a payload holding anything but plain data.
+    """
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    _feed_canonical(
+        mac.update,
+        [
+            _SIGNATURE_DOMAIN,
+            CACHE_FORMAT,
+            CACHE_VERSION,
+            backend,
+            code_hash(python_code),
+            artifact,
+        ],
+    )
+    return mac.digest()
+
+
+def _feed_canonical(update: Callable[[bytes], object], value: object) -> None:
+    """Feed a canonical, unambiguous encoding of ``value`` to ``update``.
+
+    Each value is a type tag, then a length or count where it has one, then its
+    content; dict items go in key order. Only plain data is encoded: None, bool,
+    int, float, str, bytes, list, tuple and dicts with str keys (what the payloads
+    hold). Iterative, and every container is visited once, so a deeply nested,
+    cyclic or shared-reference structure read from a hostile cache raises TypeError
+    instead of recursing, looping or blowing up.
+    """
+    seen: set[int] = set()
+    pending: list[object] = [value]
+    while pending:
+        item = pending.pop()
+        if item is None:
+            update(b"N")
+        elif isinstance(item, bool):
+            update(b"T" if item else b"F")
+        elif isinstance(item, int):
+            data = item.to_bytes((item.bit_length() + 8) // 8, "big", signed=True)
+            update(b"I" + _length(len(data)) + data)
+        elif isinstance(item, float):
+            update(b"D" + struct.pack(">d", item))
+        elif isinstance(item, str):
+            data = item.encode("utf-8", "surrogatepass")
+            update(b"S" + _length(len(data)) + data)
+        elif isinstance(item, bytes):
+            update(b"B" + _length(len(item)) + item)
+        elif isinstance(item, list | tuple | dict):
+            if id(item) in seen:
+                raise TypeError("a container referenced more than once")
+            seen.add(id(item))
+            if isinstance(item, dict):
+                keys = list(item)
+                if not all(isinstance(k, str) for k in keys):
+                    raise TypeError("a dict with a key that is not a str")
+                update(b"M" + _length(len(keys)))
+                for k in sorted(keys, reverse=True):
+                    pending.extend((item[k], k))
+            else:
+                update((b"L" if isinstance(item, list) else b"U") + _length(len(item)))
+                pending.extend(reversed(item))
+        else:
+            raise TypeError(f"a value of type {type(item).__name__}")
+
+
+def _length(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
 def read_cache(
-    cache: bytes, *, python_code: str, backend: str
+    cache: bytes, *, python_code: str, backend: str, key: bytes | None = None
 ) -> dict[str, object] | None:
     """The cache's artifact payload, or None when there is nothing usable to prime.
 
     Raises PrecompileError when the envelope is readable but was made for another
-    artifact (different backend or code hash).
+    artifact (different backend or code hash), and, when ``key`` is given, unless
+    the envelope carries a signature that matches it.
     """
-    try:
-        envelope = torch.load(io.BytesIO(cache), weights_only=True)
-    except Exception as error:
+    envelope, problem = _read_envelope(cache)
+    if envelope is None:
+        if key is not None:
+            raise PrecompileError(
+                f"load was given a key, but {problem}, so there is no signature to "
+                "check. Pass the cache returned by precompile(..., key=...) together "
+                "with this python_code."
+            )
         log.warning(
-            "precompile_gen.load: the cache cannot be read (%s: %s); ignoring it and "
-            "compiling from python_code instead, which is slower but gives the same "
-            "results.",
-            type(error).__name__,
-            str(error).splitlines()[0] if str(error) else "",
+            "precompile_gen.load: %s; ignoring it and compiling from python_code "
+            "instead, which is slower but gives the same results.",
+            problem,
         )
         return None
-    if (
-        not isinstance(envelope, dict)
-        or envelope.get("format") != CACHE_FORMAT
-        or envelope.get("version") != CACHE_VERSION
-    ):
-        found = (
-            (envelope.get("format"), envelope.get("version"))
-            if isinstance(envelope, dict)
-            else type(envelope).__name__
-        )
-        log.warning(
-            "precompile_gen.load: the cache is not a %s version %d envelope (found "
-            "%r); ignoring it and compiling from python_code instead.",
-            CACHE_FORMAT,
-            CACHE_VERSION,
-            found,
-        )
-        return None
-    if envelope.get("backend") != backend:
+    found_backend = envelope.get("backend")
+    if not _is(found_backend, backend):
         raise PrecompileError(
-            f"the cache was made by the {envelope.get('backend')!r} backend but "
+            f"the cache was made by the {_describe(found_backend)} backend but "
             f"python_code by the {backend!r} backend, so the two files do not belong "
             "together. Pass the cache returned with this python_code by the same "
             "precompile() call."
         )
     expected = code_hash(python_code)
-    if envelope.get("code_hash") != expected:
+    found_hash = envelope.get("code_hash")
+    if not _is(found_hash, expected):
+        shown = found_hash[:16] if isinstance(found_hash, str) else found_hash
         raise PrecompileError(
             "the cache belongs to another artifact: its code_hash "
-            f"{str(envelope.get('code_hash'))[:16]}... differs from "
-            f"sha256(python_code) {expected[:16]}..., so the two files do not belong "
-            "together. Pass the cache returned with this python_code by the same "
-            "precompile() call."
+            f"{_describe(shown)}... differs from sha256(python_code) "
+            f"{expected[:16]}..., so the two files do not belong together. Pass the "
+            "cache returned with this python_code by the same precompile() call."
         )
     artifact = envelope.get("artifact")
+    if key is not None:
+        _check_signature(envelope, key, python_code, backend, artifact)
     if artifact is not None and not isinstance(artifact, dict):
         log.warning(
             "precompile_gen.load: the cache's artifact is a %s, not a dict; "
@@ -105,3 +205,69 @@ def read_cache(
         )
         return None
     return artifact
+
+
+def _read_envelope(cache: bytes) -> tuple[dict[str, object], None] | tuple[None, str]:
+    """The envelope, or None and why it cannot be used."""
+    try:
+        envelope = torch.load(io.BytesIO(cache), weights_only=True)
+    except Exception as error:
+        lines = str(error).splitlines()
+        first = lines[0] if lines else ""
+        if len(first) > 200:
+            first = first[:200] + "..."
+        return None, f"the cache cannot be read ({type(error).__name__}: {first})"
+    if (
+        not isinstance(envelope, dict)
+        or not _is(envelope.get("format"), CACHE_FORMAT)
+        or not _is(envelope.get("version"), CACHE_VERSION)
+    ):
+        found = (
+            (envelope.get("format"), envelope.get("version"))
+            if isinstance(envelope, dict)
+            else type(envelope).__name__
+        )
+        return None, (
+            f"the cache is not a {CACHE_FORMAT} version {CACHE_VERSION} envelope "
+            f"(found {_describe(found)})"
+        )
+    return envelope, None
+
+
+def _check_signature(
+    envelope: dict[str, object],
+    key: bytes,
+    python_code: str,
+    backend: str,
+    artifact: object,
+) -> None:
+    stored = envelope.get("signature")
+    if stored is None:
+        raise PrecompileError(
+            "load was given a key, but the cache carries no signature: it was made "
+            "without a key, or its signature was removed. Produce the pair with "
+            "precompile(..., key=...) using this key."
+        )
+    try:
+        expected = signature(
+            key, python_code=python_code, backend=backend, artifact=artifact
+        )
+    except TypeError as error:
+        raise PrecompileError(
+            f"the cache's artifact payload holds {error}, which precompile never "
+            "stores, so no signature can vouch for it. Produce the pair again with "
+            "precompile(..., key=...)."
+        ) from None
+    # compare_digest: the time taken must not reveal how much of a guess matched.
+    if not isinstance(stored, bytes) or not hmac.compare_digest(stored, expected):
+        raise PrecompileError(
+            "the cache's signature does not match this key: the pair was signed with "
+            "another key, or python_code or the cache was changed after signing. "
+            "Load only pairs produced by precompile(..., key=...) with this key."
+        )
+
+
+def _is(value: object, expected: str | int) -> bool:
+    """``value == expected`` for a value read from an untrusted envelope, where ``==``
+    could return a tensor (or anything else) rather than a bool."""
+    return type(value) is type(expected) and value == expected

@@ -9,10 +9,11 @@ from __future__ import annotations
 import ast
 import linecache
 import logging
+import os
 from collections.abc import Callable
 
 from precompile_gen import kernel_binaries
-from precompile_gen.cache import code_hash, read_cache
+from precompile_gen.cache import check_key, code_hash, read_cache
 from precompile_gen.capture_result import BACKENDS, METADATA_NAMES
 from precompile_gen.errors import PrecompileError
 
@@ -28,7 +29,9 @@ def parse_metadata(python_code: str) -> dict[str, object]:
         )
     try:
         module = ast.parse(python_code)
-    except (SyntaxError, ValueError) as error:
+    # Deeply nested expressions make the parser give up with RecursionError or
+    # MemoryError (its own stack guard), not SyntaxError.
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as error:
         raise PrecompileError(
             f"python_code is not valid Python ({type(error).__name__}: {error}); it "
             "is not a precompile_gen artifact, or it was truncated or edited. Pass the "
@@ -90,6 +93,13 @@ def _reject_rebinding(module: ast.Module) -> None:
             names.append((node.name, node.lineno))
         elif isinstance(node, ast.Global | ast.Nonlocal):
             names.extend((name, node.lineno) for name in node.names)
+        # ``except E as NAME`` and match-case captures bind a bare name, not an
+        # ast.Name node.
+        elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar):
+            if node.name is not None:
+                names.append((node.name, node.lineno))
+        elif isinstance(node, ast.MatchMapping) and node.rest is not None:
+            names.append((node.rest, node.lineno))
         for name, line in names:
             if name in METADATA_NAMES:
                 bindings.setdefault(name, []).append(line)
@@ -103,39 +113,110 @@ def _reject_rebinding(module: ast.Module) -> None:
             )
 
 
-def load(python_code: str, cache: bytes) -> Callable[..., object]:
+def load(
+    python_code: str | os.PathLike[str],
+    cache: bytes | os.PathLike[str],
+    *,
+    key: bytes | None = None,
+) -> Callable[..., object]:
     """A callable with the traced function's positional signature.
 
-    Raises PrecompileError when python_code is not an artifact or the cache belongs
-    to another one; a cache that cannot be read is skipped with a warning.
+    ``python_code`` is the artifact's text (a str is always text) or the path of its
+    file; ``cache`` is the cache's bytes or the path of its file. Raises
+    PrecompileError when python_code is not an artifact or the cache belongs to
+    another one; a cache that cannot be read is skipped with a warning. With ``key``,
+    the pair must carry a signature made with that key, checked before anything from
+    either file is executed or written.
     """
-    metadata = parse_metadata(python_code)
-    if not isinstance(cache, bytes):
+    if key is not None:
+        check_key(key)
+    text, filename = _artifact_text(python_code)
+    try:
+        metadata = parse_metadata(text)
+    except PrecompileError as error:
+        if filename is None and "\n" not in text and os.path.isfile(text):
+            raise PrecompileError(
+                f"{error} python_code is the artifact's text when it is a str; to "
+                f"load the file {text!r}, pass pathlib.Path({text!r})."
+            ) from error
+        raise
+    cache_bytes = _cache_bytes(cache)
+    backend = str(metadata["BACKEND"])
+    artifact = read_cache(cache_bytes, python_code=text, backend=backend, key=key)
+    signed = key is not None
+    if backend != "inductor":
+        return _execute(text, filename, signed=signed)
+    primed = artifact is not None and kernel_binaries.prime(artifact)
+    # Executing inductor's module compiles or loads its kernels through
+    # process-global compiler state, as lowering does; the two take turns.
+    lock = kernel_binaries.TORCH_STATE_LOCK
+    with kernel_binaries.loading_config() if primed else lock:
+        return _execute(text, filename, signed=signed)
+
+
+def _artifact_text(python_code: object) -> tuple[str, str | None]:
+    """The artifact's text, and the absolute path it was read from (None for text)."""
+    if isinstance(python_code, str):
+        return python_code, None
+    if not isinstance(python_code, os.PathLike):
         raise ValueError(
-            f"cache must be the bytes returned by precompile(), got "
+            "python_code must be the artifact's text (a str) or the path of its file "
+            f"(an os.PathLike such as pathlib.Path), got {type(python_code).__name__}."
+        )
+    path = os.path.abspath(os.fsdecode(os.fspath(python_code)))
+    data = _read_file(path, "artifact")
+    try:
+        return data.decode("utf-8"), path
+    except UnicodeDecodeError as error:
+        raise PrecompileError(
+            f"the artifact file {path} is not UTF-8 text (byte {error.start} is "
+            f"{data[error.start : error.start + 1]!r}), so it is not a precompile_gen "
+            "artifact, or it was corrupted. Pass the artifact_path precompile() wrote."
+        ) from None
+
+
+def _cache_bytes(cache: object) -> bytes:
+    if isinstance(cache, bytes):
+        return cache
+    if not isinstance(cache, os.PathLike):
+        raise ValueError(
+            "cache must be the bytes returned by precompile() or the path of the file "
+            "it wrote (an os.PathLike such as pathlib.Path), got "
             f"{type(cache).__name__}."
         )
-    backend = str(metadata["BACKEND"])
-    artifact = read_cache(cache, python_code=python_code, backend=backend)
-    if (
-        artifact is not None
-        and backend == "inductor"
-        and kernel_binaries.prime(artifact)
-    ):
-        with kernel_binaries.loading_config():
-            return _execute(python_code)
-    return _execute(python_code)
+    return _read_file(os.path.abspath(os.fsdecode(os.fspath(cache))), "cache")
 
 
-def _execute(python_code: str) -> Callable[..., object]:
+def _read_file(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as error:
+        raise PrecompileError(
+            f"cannot read the {what} file {path} ({error.strerror or error}). Pass "
+            f"the {what}_path that precompile() wrote, or the {what} itself."
+        ) from error
+
+
+def _execute(
+    python_code: str, path: str | None, *, signed: bool
+) -> Callable[..., object]:
     digest = code_hash(python_code)[:12]
-    filename = f"<precompile_gen:{digest}>"
-    log.warning(
-        "precompile_gen.load is executing python_code %s, which no signature vouches "
-        "for. An artifact is code: load only artifacts you produced or trust.",
-        filename,
-    )
-    # Registered so tracebacks through the artifact show its source lines.
+    # Tracebacks through the artifact name this file and show its lines: the real
+    # path when it was read from one, else a stable name for its text.
+    filename = path if path is not None else f"<precompile_gen:{digest}>"
+    if signed:
+        log.info("precompile_gen.load: executing signed python_code %s.", filename)
+    else:
+        log.warning(
+            "precompile_gen.load is executing python_code %s, which no signature "
+            "vouches for. An artifact is code: load only artifacts you produced or "
+            "trust.",
+            filename,
+        )
+    # The text is registered with no modification time, which linecache takes as
+    # "never re-read from disk": the lines shown stay those that were executed even
+    # after the file is rewritten.
     linecache.cache[filename] = (
         len(python_code),
         None,

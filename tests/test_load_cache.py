@@ -172,6 +172,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BUFFER_DTYPES": [f32, f32, "torch.int64"],
         "PARAM_DEVICES": ["cpu"] * 4,
         "BUFFER_DEVICES": ["cpu"] * 3,
+        "PARAM_REQUIRES_GRAD": [True, True, True, False],
+        "BUFFER_REQUIRES_GRAD": [False, False, False],
         "GRAD_PARAM_INDICES": [0, 1, 2],
         "IN_SPEC": in_spec,
         "OUT_SPEC": out_spec,
@@ -200,6 +202,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BUFFER_DTYPES",
         "PARAM_DEVICES",
         "BUFFER_DEVICES",
+        "PARAM_REQUIRES_GRAD",
+        "BUFFER_REQUIRES_GRAD",
         "GRAD_PARAM_INDICES",
         "IN_SPEC",
         "OUT_SPEC",
@@ -290,8 +294,22 @@ def test_parse_metadata_rejects_a_non_literal_constant(captured: Captured) -> No
         'PARAM_NAMES: list[str] = ["other"]',
         'PARAM_NAMES = OTHER = ["other"]',
         'PARAM_NAMES += ["other"]',
+        # Bindings that are not ast.Name nodes.
+        "try:\n    pass\nexcept Exception as PARAM_NAMES:\n    pass",
+        "match 1:\n    case PARAM_NAMES:\n        pass",
+        "match []:\n    case [*PARAM_NAMES]:\n        pass",
+        "match {}:\n    case {**PARAM_NAMES}:\n        pass",
     ],
-    ids=["plain", "annotated", "chained", "augmented"],
+    ids=[
+        "plain",
+        "annotated",
+        "chained",
+        "augmented",
+        "except-as",
+        "match-capture",
+        "match-star",
+        "match-rest",
+    ],
 )
 def test_parse_metadata_rejects_a_constant_assigned_twice(
     captured: Captured, extra: str
@@ -350,8 +368,9 @@ def test_load_accepts_a_hand_built_matching_envelope(
     assert_runs_like_eager(forward)
 
 
-@pytest.mark.parametrize("cache", [None, "cache", bytearray(b"x"), Path("c.pt")])
+@pytest.mark.parametrize("cache", [None, "cache", bytearray(b"x"), memoryview(b"x")])
 def test_load_rejects_a_non_bytes_cache(captured: Captured, cache: Any) -> None:
+    # A path is accepted (tests/test_files.py); a str is never taken for one.
     with pytest.raises(ValueError, match="bytes"):
         pg.load(captured.code, cache)
 

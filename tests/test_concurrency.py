@@ -1,0 +1,330 @@
+"""Concurrency and process state.
+
+A loaded ``forward`` keeps no state between calls, so threads may share it, each
+with its own model; ``precompile`` may run on several threads at once (inductor
+lowerings take turns on a lock, as torch's compiler requires); and ``load`` leaves
+the process as it found it, apart from the kernel binaries it primes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import precompile_gen as pg
+
+KEY = b"concurrency test key"
+THREADS = 8
+STEPS_PER_THREAD = 3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.lin(x))))
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+
+
+def train_step(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    out = model(x)
+    loss = nn.functional.mse_loss(out, target)
+    loss.backward()
+    return {"loss": loss.detach(), "out": out.detach()}
+
+
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).sigmoid()
+
+
+def net_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + seed)
+    return torch.randn(5, 4, generator=generator), torch.randn(
+        5, 2, generator=generator
+    )
+
+
+def mlp_batch(seed: int) -> tuple[torch.Tensor]:
+    return (torch.randn(7, 3, generator=torch.Generator().manual_seed(200 + seed)),)
+
+
+@dataclass(frozen=True)
+class Job:
+    fn: Callable[..., object]
+    make_model: Callable[[int], nn.Module]
+    batch: Callable[[int], tuple[torch.Tensor, ...]]
+    backend: str
+    key: bytes | None = None
+
+    def example(self, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        return self.make_model(seed), self.batch(seed)
+
+
+# Two inductor captures (each compiles kernels: the expensive part of this module)
+# and four eager ones, all started at once.
+JOBS = {
+    "inductor train": Job(train_step, make_net, net_batch, "inductor", KEY),
+    "inductor predict": Job(predict, make_mlp, mlp_batch, "inductor"),
+    "eager train": Job(train_step, make_net, net_batch, "eager"),
+    "eager train signed": Job(train_step, make_net, net_batch, "eager", KEY),
+    "eager predict": Job(predict, make_mlp, mlp_batch, "eager"),
+    "eager predict 2": Job(
+        predict, lambda seed: make_mlp(seed + 1), mlp_batch, "eager"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def pairs() -> dict[str, tuple[str, bytes]]:
+    start = threading.Barrier(len(JOBS))
+
+    def run(job: Job, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
+        start.wait()
+        return pg.precompile(job.fn, model, *batch, backend=job.backend, key=job.key)
+
+    # Examples are built first: initialising a model draws from torch's
+    # process-wide generator.
+    examples = {name: job.example() for name, job in JOBS.items()}
+    with ThreadPoolExecutor(max_workers=len(JOBS)) as pool:
+        futures = {
+            name: pool.submit(run, job, *examples[name]) for name, job in JOBS.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _forward(name: str, pairs: dict[str, tuple[str, bytes]]) -> Callable[..., Any]:
+    return pg.load(*pairs[name], key=JOBS[name].key)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_concurrent_precompiles_give_correct_artifacts(
+    pairs: dict[str, tuple[str, bytes]],
+) -> None:
+    for name, job in JOBS.items():
+        forward = _forward(name, pairs)
+        model, batch = job.example(seed=3)
+        reference = copy.deepcopy(model)
+        torch.testing.assert_close(
+            forward(model, *batch), job.fn(reference, *batch), msg=name
+        )
+        torch.testing.assert_close(_grads(model), _grads(reference), msg=name)
+        torch.testing.assert_close(
+            dict(model.named_buffers()), dict(reference.named_buffers()), msg=name
+        )
+
+
+def test_concurrent_eager_precompiles_render_the_sequential_bytes(
+    pairs: dict[str, tuple[str, bytes]],
+) -> None:
+    for name, job in JOBS.items():
+        if job.backend == "eager":
+            model, batch = job.example()
+            code, cache = pg.precompile(
+                job.fn, model, *batch, backend="eager", key=job.key
+            )
+            assert pairs[name] == (code, cache), name
+
+
+def _run_steps(
+    forward: Callable[..., Any], job: Job, seed: int, model: nn.Module
+) -> list[Any]:
+    """Several calls on ``model``; what each returned, and the grads and buffers
+    after it (gradients accumulate across calls)."""
+    record = []
+    for step in range(STEPS_PER_THREAD):
+        result = forward(model, *job.batch(seed * STEPS_PER_THREAD + step))
+        record.append(
+            (
+                result,
+                {k: None if g is None else g.clone() for k, g in _grads(model).items()},
+                {k: b.clone() for k, b in model.named_buffers()},
+            )
+        )
+    return record
+
+
+@pytest.mark.parametrize("name", ["eager train", "inductor train", "inductor predict"])
+def test_threads_share_one_loaded_forward(
+    pairs: dict[str, tuple[str, bytes]], name: str
+) -> None:
+    job = JOBS[name]
+    forward = _forward(name, pairs)
+    # Built here: initialising a model draws from torch's process-wide generator.
+    model = job.make_model(0)
+    start = threading.Barrier(THREADS)
+
+    def in_thread(seed: int, model: nn.Module) -> list[Any]:
+        start.wait()
+        return _run_steps(forward, job, seed, model)
+
+    with ThreadPoolExecutor(max_workers=THREADS) as pool:
+        copies = [copy.deepcopy(model) for _ in range(THREADS)]
+        concurrent = list(pool.map(in_thread, range(THREADS), copies))
+    sequential = [
+        _run_steps(forward, job, seed, copy.deepcopy(model)) for seed in range(THREADS)
+    ]
+
+    torch.testing.assert_close(concurrent, sequential)
+    # And the sequential runs are eager's.
+    eager = _run_steps(job.fn, job, 0, copy.deepcopy(model))
+    torch.testing.assert_close(sequential[0], eager)
+
+
+# --- load leaves the process as it found it -----------------------------------------
+
+_CHILD = """\
+import json, logging, os, sys, warnings
+import torch
+import torch._dynamo.config, torch._functorch.config, torch._inductor.config
+import precompile_gen as pg
+from pathlib import Path
+
+sys.path.insert(0, {tests!r})
+from test_concurrency import JOBS
+
+
+def configs():
+    modules = [torch._dynamo.config, torch._functorch.config, torch._inductor.config]
+    return {{
+        f"{{m.__name__}}.{{k}}": repr(v)
+        for m in modules
+        for k, v in m.get_config_copy().items()
+    }}
+
+
+def loggers():
+    manager = logging.root.manager
+    found = {{"<root>": logging.root, **manager.loggerDict}}
+    return {{
+        name: [
+            logger.level,
+            logger.propagate,
+            logger.disabled,
+            # torch's structured-trace handler removes itself the first time
+            # anything in torch emits a trace event, as inductor does.
+            0 if name == "torch.__trace" else len(logger.handlers),
+        ]
+        for name, logger in found.items()
+        if isinstance(logger, logging.Logger)
+    }}
+
+
+def state():
+    return {{
+        "default dtype": str(torch.get_default_dtype()),
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "anomaly mode": torch.is_anomaly_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "matmul precision": torch.get_float32_matmul_precision(),
+        "threads": torch.get_num_threads(),
+        "logging disable": logging.root.manager.disable,
+        "warning filters": repr(warnings.filters),
+        # Inductor points its compiled kernels at a function of this process through
+        # this variable whenever it loads one: part of loading kernels, not state a
+        # caller sets.
+        "environment": {{
+            k: v for k, v in os.environ.items()
+            if k != "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
+        }},
+        "config": configs(),
+        "loggers": loggers(),
+    }}
+
+
+def differences(before, after):
+    out = {{}}
+    for key in before:
+        if isinstance(before[key], dict):
+            changed = {{
+                k: [before[key].get(k), after[key].get(k)]
+                for k in before[key].keys() | after[key].keys()
+                if before[key].get(k) != after[key].get(k)
+            }}
+            # A logger first created by an import (torch registers its own) counts
+            # only if it was given a level or a handler.
+            if key == "loggers":
+                changed = {{
+                    k: v for k, v in changed.items()
+                    if v[0] is not None or v[1][0] != 0 or v[1][3] != 0
+                }}
+            if changed:
+                out[key] = changed
+        elif before[key] != after[key]:
+            out[key] = [before[key], after[key]]
+    return out
+
+
+folder = Path({folder!r})
+before, rng = state(), torch.get_rng_state()
+forwards = {{
+    name: pg.load(folder / f"{{i}}.py", folder / f"{{i}}.cache", key=JOBS[name].key)
+    for i, name in enumerate({names!r})
+}}
+after_load, rng_after_load = state(), torch.get_rng_state()
+for name, forward in forwards.items():
+    model, batch = JOBS[name].example()
+    forward(model, *batch)
+after_calls = state()
+print(json.dumps({{
+    "load": differences(before, after_load),
+    "rng consumed by load": not torch.equal(rng, rng_after_load),
+    "calls": differences(before, after_calls),
+}}))
+"""
+
+
+def test_load_leaves_torch_and_logging_state_unchanged(
+    pairs: dict[str, tuple[str, bytes]], tmp_path: Path
+) -> None:
+    # A fresh process, so the imports load triggers (inductor's, on the first
+    # inductor artifact) count too.
+    names = ["eager train", "inductor train", "inductor predict"]
+    for i, name in enumerate(names):
+        (tmp_path / f"{i}.py").write_text(pairs[name][0], encoding="utf-8")
+        (tmp_path / f"{i}.cache").write_bytes(pairs[name][1])
+    script = _CHILD.format(
+        tests=str(Path(__file__).parent), folder=str(tmp_path), names=names
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stderr
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert report == {"load": {}, "rng consumed by load": False, "calls": {}}
