@@ -12,14 +12,19 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from precompile_gen import timings
+from precompile_gen.progress import Progress
+
 ARTIFACT_NAME = "train_step.py"
 CACHE_NAME = "train_step.cache"
+# The fresh process's output, written only when its check fails.
+RELOAD_LOG_NAME = "reload.log"
 
 
 class SmallCNN(nn.Module):
@@ -57,36 +62,95 @@ def example() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def run(
-    backend: str, out_dir: Path, progress: Callable[[str], None] = print
-) -> dict[str, object]:
-    """Precompile the example, write the pair, check it in a fresh process."""
+    backend: str, out_dir: Path, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Precompile the example, write the pair, check it in a fresh process.
+
+    Returns the check's results, the pair's paths and sizes, and each stage's seconds.
+    """
     from precompile_gen import precompile
 
+    progress = progress if progress is not None else Progress()
     model, images, labels = example()
-    progress(f"precompiling train_step (backend={backend!r}) ...")
-    start = time.perf_counter()
-    python_code, cache = precompile(train_step, model, images, labels, backend=backend)
-    precompile_seconds = time.perf_counter() - start
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / ARTIFACT_NAME).write_text(python_code, encoding="utf-8")
-    (out_dir / CACHE_NAME).write_bytes(cache)
-    progress(f"wrote {out_dir / ARTIFACT_NAME} and {out_dir / CACHE_NAME}")
-    progress("reloading in a fresh process and comparing with eager ...")
-    checked = subprocess.run(
-        [sys.executable, "-m", "precompile_gen.demo", str(out_dir)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if checked.returncode != 0:
-        raise RuntimeError(
-            f"the fresh-process check failed:\n{checked.stderr.strip()[-4000:]}"
+    stages: list[tuple[str, float]] = []
+    with (
+        progress.stage(f"precompiling train_step (backend={backend!r})"),
+        # precompile's own recording adds its stages (capture, lowering, ...) to
+        # this one, so the report can break the precompile time down.
+        timings.recording(f"demo precompile (backend {backend!r})") as times,
+    ):
+        start = time.perf_counter()
+        python_code, cache = precompile(
+            train_step, model, images, labels, backend=backend
         )
-    report = json.loads(checked.stdout.strip().splitlines()[-1])
-    report["precompile_seconds"] = precompile_seconds
-    report["artifact_bytes"] = len(python_code.encode())
-    report["cache_bytes"] = len(cache)
+        stages.append(("precompile", time.perf_counter() - start))
+    artifact_path, cache_path = out_dir / ARTIFACT_NAME, out_dir / CACHE_NAME
+    with progress.stage(f"writing {artifact_path} and {cache_path}"):
+        start = time.perf_counter()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        artifact_path.write_text(python_code, encoding="utf-8")
+        cache_path.write_bytes(cache)
+        stages.append(("write the pair", time.perf_counter() - start))
+    with progress.stage("reloading in a fresh process and comparing with eager"):
+        start = time.perf_counter()
+        checked = subprocess.run(
+            [sys.executable, "-m", "precompile_gen.demo", str(out_dir)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        fresh_process_seconds = time.perf_counter() - start
+        if checked.returncode != 0:
+            log_path = out_dir / RELOAD_LOG_NAME
+            log_path.write_text(checked.stdout + checked.stderr, encoding="utf-8")
+            lines = checked.stderr.strip().splitlines() or ["(no output)"]
+            raise RuntimeError(
+                f"the fresh-process check failed ({lines[-1]}); its whole output is "
+                f"in {log_path}."
+            )
+    report: dict[str, Any] = json.loads(checked.stdout.strip().splitlines()[-1])
+    in_child = report["reload_first_result_seconds"] + report["compare_seconds"]
+    stages += [
+        ("fresh process: start, imports", max(fresh_process_seconds - in_child, 0.0)),
+        ("fresh process: load + first call", report["reload_first_result_seconds"]),
+        ("fresh process: compare with eager", report["compare_seconds"]),
+    ]
+    report.update(
+        backend=backend,
+        artifact=str(artifact_path),
+        cache=str(cache_path),
+        precompile_seconds=stages[0][1],
+        precompile_stages=list(times.seconds.items()),
+        artifact_bytes=len(python_code.encode()),
+        cache_bytes=len(cache),
+        stages=stages,
+    )
     return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The summary ``precompile-gen demo`` prints."""
+    # precompile's own stages go under its row, indented; only the top rows add up
+    # to the total.
+    rows: list[tuple[str, float]] = []
+    for name, seconds in report["stages"]:
+        rows.append((name, seconds))
+        if name == "precompile":
+            rows += [(f"  {stage}", sub) for stage, sub in report["precompile_stages"]]
+    width = max(len(name) for name, _ in rows)
+    lines = [
+        f"backend        {report['backend']}",
+        f"artifact       {report['artifact']} ({report['artifact_bytes']:,} bytes)",
+        f"cache          {report['cache']} ({report['cache_bytes']:,} bytes)",
+        f"matches eager  loss {report['loss']:.4f}, "
+        f"{report['params_checked']} parameter grads, "
+        f"{report['buffers_checked']} buffers",
+        "",
+        f"{'stage'.ljust(width)}  seconds",
+        *(f"{name.ljust(width)}  {seconds:7.2f}" for name, seconds in rows),
+        f"{'total'.ljust(width)}  {sum(s for _, s in report['stages']):7.2f}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def check(out_dir: Path) -> dict[str, object]:
@@ -108,6 +172,7 @@ def check(out_dir: Path) -> dict[str, object]:
     )
     loss = forward(model, images, labels)
     first_result_seconds = time.perf_counter() - start
+    start = time.perf_counter()
     expected = train_step(reference_model, images, labels)
     assert isinstance(loss, torch.Tensor)
     torch.testing.assert_close(loss, expected)
@@ -125,6 +190,7 @@ def check(out_dir: Path) -> dict[str, object]:
         "params_checked": len(list(model.parameters())),
         "buffers_checked": len(list(model.buffers())),
         "reload_first_result_seconds": first_result_seconds,
+        "compare_seconds": time.perf_counter() - start,
     }
 
 

@@ -1,0 +1,651 @@
+"""The command line: every command through the installed ``precompile-gen`` console
+script, then each command's details through ``cli.main`` in this process.
+
+Inputs are the golden artifacts wherever possible (no compiling), plus one eager demo
+run. A console-script process spends seconds importing torch, so those invocations
+all run side by side in one test.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import pty
+import re
+import shutil
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from precompile_gen import kernel_binaries
+from precompile_gen.cache import build_cache
+from precompile_gen.cli import main
+from precompile_gen.diff import diff_artifacts
+from precompile_gen.inspection import (
+    find_kernels,
+    format_report,
+    inspect_artifact,
+    parse_artifact,
+    section_statements,
+)
+from precompile_gen.progress import Progress
+from precompile_gen.render import render_artifact
+from precompile_gen.sections import sections_by_key
+from precompile_gen.stubs import stub_capture
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = REPO_ROOT / "tests" / "golden"
+CLI = Path(sys.executable).with_name("precompile-gen")
+COMMANDS = ("demo", "inspect", "verify", "diff", "stubs")
+
+
+def _golden(name: str) -> str:
+    return (GOLDEN / f"{name}.py").read_text(encoding="utf-8")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``precompile-gen ARGS`` in this process: exit code, stdout, stderr."""
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's --help and usage errors
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _assert_one_line_error(
+    code: int, stderr: str, command: str, expected_code: int, needle: str
+) -> None:
+    assert code == expected_code, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith(f"precompile-gen {command}: error: "), lines[0]
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in stderr
+
+
+def _with_constant(code: str, name: str, value_source: str) -> str:
+    """``code`` with the metadata constant ``name`` assigned ``value_source``."""
+    for statement in parse_artifact(code).body:
+        if (
+            isinstance(statement, ast.AnnAssign | ast.Assign)
+            and ast.unparse(
+                statement.target
+                if isinstance(statement, ast.AnnAssign)
+                else statement.targets[0]
+            )
+            == name
+            and statement.value is not None
+        ):
+            lines = code.splitlines(keepends=True)
+            value = statement.value
+            end = value.end_lineno or value.lineno
+            # ast columns are UTF-8 byte offsets; the metadata section is ASCII.
+            before = lines[value.lineno - 1][: value.col_offset]
+            after = lines[end - 1][value.end_col_offset or 0 :]
+            return "".join(
+                [*lines[: value.lineno - 1], before, value_source, after, *lines[end:]]
+            )
+    raise AssertionError(f"no assignment to {name}")
+
+
+def _pair(tmp_path: Path, name: str, code: str, cache: bytes) -> tuple[str, str]:
+    artifact, cache_file = tmp_path / f"{name}.py", tmp_path / f"{name}.cache"
+    artifact.write_text(code, encoding="utf-8")
+    cache_file.write_bytes(cache)
+    return str(artifact), str(cache_file)
+
+
+# --- the console script -----------------------------------------------------------
+
+
+def test_console_script_runs_every_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not CLI.exists():
+        pytest.fail(f"{CLI} is missing; install the package: pip install -e '.[dev]'")
+    code = _golden("eager_train_step")
+    step, cache = _pair(tmp_path, "step", code, build_cache(code, "eager", None))
+    demo_dir = tmp_path / "demo"
+    invocations = {
+        "help": ["--help"],
+        "demo": ["demo", "--backend", "eager", "--out", str(demo_dir)],
+        "inspect": ["inspect", "tests/golden/eager_multi_module.py"],
+        "verify": ["verify", step, cache],
+        "diff": ["diff", "tests/golden/eager_inference.py", step],
+        "stubs": ["stubs", str(tmp_path / "stubs")],
+        "diff error": ["diff", step, str(tmp_path / "missing.py")],
+    }
+    processes = {
+        name: subprocess.Popen(
+            [str(CLI), *args],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in invocations.items()
+    }
+    results = {}
+    for name, process in processes.items():
+        stdout, stderr = process.communicate(timeout=600)
+        results[name] = (process.returncode, stdout, stderr)
+
+    rc, out, err = results["help"]
+    assert rc == 0, err
+    assert all(f"precompile-gen {command}" in out for command in COMMANDS)
+
+    rc, out, err = results["demo"]
+    assert rc == 0, err
+    assert re.search(
+        r"matches eager  loss \d+\.\d{4}, 6 parameter grads, 3 buffers", out
+    )
+    for stage in (
+        "precompile",
+        "  capture",  # precompile's own stages, from its timing records
+        "  render",
+        "write the pair",
+        "fresh process: start, imports",
+        "fresh process: load + first call",
+        "fresh process: compare with eager",
+        "total",
+    ):
+        assert re.search(rf"^{re.escape(stage)}\s+\d+\.\d\d$", out, re.M), stage
+    # stderr is not a terminal here: plain, timestamped lines, no carriage returns.
+    assert "\r" not in err
+    progress = err.splitlines()
+    assert any(
+        re.fullmatch(r"\[\s*\d+\.\d s\] precompiling train_step .* \.\.\.", line)
+        for line in progress
+    ), err
+    assert any("comparing with eager: done in" in line for line in progress), err
+    # The demo's pair is an ordinary one.
+    demo_step, demo_cache = demo_dir / "train_step.py", demo_dir / "train_step.cache"
+    assert _cli(capsys, "verify", str(demo_step), str(demo_cache))[0] == 0
+    code, out, err = _cli(capsys, "inspect", str(demo_step))
+    assert code == 0, err
+    assert "train_step(arg0: nn.Module, arg1, arg2)" in out
+    assert re.search(r"features\.1\.running_mean\s+buffer\s+\(8,\)", out)
+    assert re.search(r"features\.0\.weight\s+parameter\s+\(8, 3, 3, 3\)", out)
+
+    rc, out, err = results["inspect"]
+    assert rc == 0, err
+    assert "two_towers(arg0: nn.Module, arg1, arg2: nn.Module)" in out
+
+    rc, out, err = results["verify"]
+    assert rc == 0, err
+    assert out.startswith(f"ok: {step} and {cache} belong together")
+
+    rc, out, err = results["diff"]
+    assert rc == 1, err
+    assert "~ NUM_POSITIONAL_ARGS:" in out
+
+    rc, out, err = results["stubs"]
+    assert rc == 0, err
+    assert sorted(Path(line).name for line in out.splitlines()) == [
+        "eager_artifact.py",
+        "inductor_artifact.py",
+    ]
+
+    rc, _, err = results["diff error"]
+    # diff's 1 means "they differ", so its errors exit 2, as diff(1)'s do.
+    _assert_one_line_error(rc, err, "diff", 2, "does not exist")
+
+
+# --- help and errors --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = _cli(capsys, command, "--help")
+    assert code == 0
+    assert out.startswith(f"usage: precompile-gen {command}")
+    examples = out.split("examples:", 1)
+    assert len(examples) == 2, f"{command} --help shows no examples"
+    assert f"precompile-gen {command}" in examples[1]
+
+
+def test_errors_are_one_line_with_a_non_zero_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("", encoding="utf-8")
+    code = _golden("eager_train_step")
+    step, cache = _pair(tmp_path, "step", code, build_cache(code, "eager", None))
+    missing = str(tmp_path / "missing.cache")
+    edited = _with_constant(code, "PARAM_SHAPES", "[7]")
+    edited_step, _ = _pair(tmp_path, "edited", edited, b"")
+    cases = [
+        (["inspect", "tests/fixtures/inductor_mlp_graph.txt"], "not a precompile_gen"),
+        (["inspect", edited_step], "unexpected types or lengths"),
+        (["inspect", cache], "is not UTF-8 text"),
+        (["verify", step, missing], "does not exist"),
+        (["verify", cache, step], "is not UTF-8 text"),
+        (["verify", step, cache, "--key-env", "PRECOMPILE_GEN_NO_SUCH_KEY"], "unset"),
+        (["stubs", str(not_a_folder)], str(not_a_folder)),
+    ]
+    for args, needle in cases:
+        result = _cli(capsys, *args)
+        _assert_one_line_error(result[0], result[2], args[0], 1, needle)
+
+
+# --- inspect ----------------------------------------------------------------------
+
+
+def test_inspect_shows_signature_state_inputs_output_graph_and_sections(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = "tests/golden/eager_multi_module.py"
+    code, out, err = _cli(capsys, "inspect", str(REPO_ROOT / path))
+    assert code == 0, err
+    assert "two_towers(arg0: nn.Module, arg1, arg2: nn.Module)" in out
+    assert "backend    eager" in out
+    assert "{'logits': *, 'features': *, 'count': *} (3 leaves)" in out
+    assert re.search(
+        r"m0\.1\.running_mean\s+buffer\s+\(6,\)\s+\(1,\)\s+torch.float32\s+cpu", out
+    )
+    assert re.search(r"m1\.weight\s+parameter\s+\(3, 6\)\s+\(6, 1\)", out)
+    assert re.search(
+        r"arg1\['x'\]\s+\(5, 4\)\s+-\s+\(4, 1\)\s+torch.float32\s+cpu", out
+    )
+    assert "kernels            none (the eager backend runs ATen operators)" in out
+    assert "aten.native_batch_norm x1" in out
+    for name in ("header", "1. graph", "2. metadata", "3. driver"):
+        assert re.search(rf"^  {re.escape(name)}\s+\d+\s+\d+\s+[\d,]+$", out, re.M)
+
+    code, out, err = _cli(capsys, "inspect", str(REPO_ROOT / path), "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["fn_name"] == "two_towers"
+    assert report["module_positions"] == [0, 2]
+    assert [m["buffers"] for m in report["modules"]] == [3, 0]
+    assert report["user_inputs"]["leaves"][0]["leaf"] == "arg1['x']"
+    assert report["output"]["leaves"] == 3
+    assert report["graph"]["kernels"] == []
+    assert sum(report["graph"]["op_calls"].values()) > 0
+    text = _golden("eager_multi_module")
+    assert sum(s["bytes"] for s in report["sections"]) == len(text.encode())
+
+
+def test_inspect_reports_harvested_grads_and_inductor_kernels() -> None:
+    train = inspect_artifact(_golden("eager_train_step"))
+    assert {s["grad"] for s in train["module_state"] if "grad" in s} == {"harvested"}
+    assert train["output"]["harvested_grads"] == 4
+    assert "plus 4 parameter gradients added to .grad" in format_report(train)
+
+    inductor = inspect_artifact(_golden("inductor_inference"))
+    assert inductor["backend"] == "inductor"
+    kernels = inductor["graph"]["kernels"]
+    assert kernels and {k["kind"] for k in kernels} == {"cpp_pybinding"}
+    assert inductor["graph"]["kernel_kinds"] == {"cpp_pybinding": len(kernels)}
+    assert inductor["graph"]["extern_kernel_calls"]
+
+
+def test_inspect_counts_kernels_by_kind_from_code_not_strings() -> None:
+    graph = '''\
+r"""
+Compile-time auto-tuning block (a string, not code):
+fake = async_compile.triton('fake', 'x')
+"""
+triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', """
+@triton.jit
+def triton_poi_fused_0(in_ptr0, xnumel, XBLOCK: tl.constexpr):
+    pass
+""", device_str='cuda')
+cpp_fused_1 = async_compile.cpp_pybinding(['float*'], r"""
+extern "C" void kernel(float* in_out_ptr0) {}
+""")
+async_compile.wait(globals())
+
+
+def call(flat_inputs):
+    extern_kernels.mm(flat_inputs[0], flat_inputs[1])
+    return [torch.ops.aten.relu.default(flat_inputs[0])]
+'''
+    cap = dataclasses.replace(stub_capture("inductor"), graph_source=graph)
+    report = inspect_artifact(render_artifact(cap))
+    assert [(k["name"], k["kind"]) for k in report["graph"]["kernels"]] == [
+        ("triton_poi_fused_0", "triton"),
+        ("cpp_fused_1", "cpp_pybinding"),
+    ]
+    assert report["graph"]["kernel_kinds"] == {"triton": 1, "cpp_pybinding": 1}
+    assert report["graph"]["extern_kernel_calls"] == {"mm": 1}
+    assert report["graph"]["op_calls"] == {"aten.relu": 1}
+
+
+def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
+    cap = dataclasses.replace(
+        stub_capture("inductor"),
+        user_input_shapes=[(None, 4), (None,)],
+        user_input_dtypes=["torch.float32", "torch.int64"],
+        user_input_devices=["cpu", "cpu"],
+        user_input_bounds=[{0: (2, 64)}, {0: (None, None)}],
+        user_input_strides=[None, None],
+        user_input_symbols=[{0: "u0"}, {0: "u0"}],
+        in_spec=None,
+    )
+    report = inspect_artifact(render_artifact(cap))
+    first, second = report["user_inputs"]["leaves"]
+    assert first["shape"] == ["u0", 4]
+    assert first["dynamic"] == [{"dim": 0, "symbol": "u0", "min": 2, "max": 64}]
+    assert second["dynamic"][0]["symbol"] == "u0"
+    assert report["module_state"][0]["stride"] == [4, 1]
+    text = format_report(report)
+    assert re.search(r"leaf 0\s+\(u0, 4\)\s+2 <= u0 <= 64\s+-\s+torch.float32", text)
+    assert re.search(r"leaf 1\s+\(u0,\)\s+u0 unbounded", text)
+    assert "user inputs (structure not recorded)" in text
+
+
+def test_inspect_verify_and_diff_never_execute_the_artifact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sentinel = tmp_path / "executed"
+    text = _golden("eager_train_step")
+    graph = sections_by_key(text)["graph"]
+    lines = text.splitlines(keepends=True)
+    # Right below the graph's section title: any execution runs it first.
+    at = graph.first_line - 1 + 3
+    payload = f"open({str(sentinel)!r}, 'w').write('ran')\nraise SystemExit(7)\n"
+    poisoned = "".join([*lines[:at], payload, *lines[at:]])
+    step, cache = _pair(
+        tmp_path, "poisoned", poisoned, build_cache(poisoned, "eager", None)
+    )
+    assert _cli(capsys, "inspect", step)[0] == 0
+    assert _cli(capsys, "verify", step, cache)[0] == 0
+    code, out, _ = _cli(capsys, "diff", str(GOLDEN / "eager_train_step.py"), step)
+    assert code == 1
+    assert "+raise SystemExit(7)" in out
+    assert not sentinel.exists()
+
+
+# --- verify -----------------------------------------------------------------------
+
+
+def test_verify_accepts_a_pair_and_names_each_mismatch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _golden("eager_train_step")
+    other = _golden("eager_inference")
+    step, cache = _pair(tmp_path, "step", code, build_cache(code, "eager", None))
+    caches = {
+        "other": build_cache(other, "eager", None),
+        "inductor": build_cache(code, "inductor", None),
+        "garbage": b"not a torch.save file",
+    }
+    for name, data in caches.items():
+        (tmp_path / f"{name}.cache").write_bytes(data)
+    result, out, err = _cli(capsys, "verify", step, cache)
+    assert result == 0, err
+    assert out.startswith(f"ok: {step} and {cache} belong together")
+    assert "signature        none (the pair was not signed)" in out
+    for name, needle in [
+        ("other", "code_hash"),
+        ("inductor", "'inductor' backend"),
+        ("garbage", "the cache cannot be read"),
+    ]:
+        result, _, err = _cli(capsys, "verify", step, str(tmp_path / f"{name}.cache"))
+        _assert_one_line_error(result, err, "verify", 1, needle)
+
+
+def test_verify_checks_the_signature_with_a_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code = _golden("eager_inference")
+    step, signed = _pair(
+        tmp_path, "step", code, build_cache(code, "eager", None, key=b"right key")
+    )
+    unsigned = tmp_path / "unsigned.cache"
+    unsigned.write_bytes(build_cache(code, "eager", None))
+    (tmp_path / "right.key").write_bytes(b"right key")
+    (tmp_path / "wrong.key").write_bytes(b"wrong key")
+    monkeypatch.setenv("STEP_KEY", "right key")
+
+    result, out, err = _cli(capsys, "verify", step, signed)
+    assert result == 0, err
+    assert "present, not checked" in out
+    for key in (["--key-file", str(tmp_path / "right.key")], ["--key-env", "STEP_KEY"]):
+        result, out, err = _cli(capsys, "verify", step, signed, *key)
+        assert result == 0, err
+        assert "signature        valid under the given key" in out
+    result, _, err = _cli(
+        capsys, "verify", step, signed, "--key-file", str(tmp_path / "wrong.key")
+    )
+    _assert_one_line_error(result, err, "verify", 1, "signature")
+    result, _, err = _cli(
+        capsys, "verify", step, str(unsigned), "--key-env", "STEP_KEY"
+    )
+    _assert_one_line_error(result, err, "verify", 1, "no signature")
+
+
+def test_verify_checks_the_kernel_binaries_digests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _golden("inductor_inference")
+    name = "ab/c" + "a" * 51 + ".main.so"
+    payload: dict[str, object] = {
+        "kind": kernel_binaries.PAYLOAD_KIND,
+        "build": {},
+        "files": {name: b"binary"},
+        "sha256": {name: hashlib.sha256(b"binary").hexdigest()},
+    }
+    damaged: dict[str, object] = {**payload, "sha256": {name: "0" * 64}}
+    step, cache = _pair(tmp_path, "step", code, build_cache(code, "inductor", payload))
+    for name_, data in [("damaged", damaged), ("bare", None)]:
+        (tmp_path / f"{name_}.cache").write_bytes(build_cache(code, "inductor", data))
+
+    result, out, err = _cli(capsys, "verify", step, cache)
+    assert result == 0, err
+    # Built for no known environment: load would compile from source instead.
+    assert "kernel binaries  1 file, 6 bytes, sha256 ok; built elsewhere (" in out
+    result, out, err = _cli(capsys, "verify", step, str(tmp_path / "bare.cache"))
+    assert result == 0, err
+    assert "kernel binaries  none: load compiles the kernels from source" in out
+    result, _, err = _cli(capsys, "verify", step, str(tmp_path / "damaged.cache"))
+    _assert_one_line_error(result, err, "verify", 1, "does not match its sha256")
+
+
+# --- diff -------------------------------------------------------------------------
+
+
+def test_diff_compares_goldens_section_by_section(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, b = str(GOLDEN / "eager_inference.py"), str(GOLDEN / "eager_train_step.py")
+    code, out, _ = _cli(capsys, "diff", a, a)
+    assert code == 0
+    assert out.rstrip().endswith("the artifacts are identical")
+    code, out, _ = _cli(capsys, "diff", a, b)
+    assert code == 1
+    # The driver is shared by both eager artifacts; the metadata lists constants.
+    assert re.search(r"^== 3\. Driver[^\n]*: identical$", out, re.M)
+    assert re.search(r"^== 2\. Calling-convention metadata: ", out, re.M)
+    assert "~ NUM_POSITIONAL_ARGS:\n    - 2\n    + 3" in out
+    assert "~ GRAD_PARAM_INDICES:\n    - []\n    + [0, 1, 2, 3]" in out
+    assert "-# Generated by precompile_gen from `predict`" in out
+    # Hunk headers give the files' own line numbers.
+    a_lines = Path(a).read_text(encoding="utf-8").splitlines()
+    hunks = re.findall(r"^@@ -(\d+),\d+ \+\d+,\d+ @@\n(.*)$", out, re.M)
+    assert hunks
+    for start, first_line in hunks:
+        if first_line.startswith(" "):
+            assert a_lines[int(start) - 1] == first_line[1:]
+
+
+def test_diff_summarizes_kernel_bodies_on_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = _golden("inductor_inference")
+    module = parse_artifact(text)
+    graph = sections_by_key(text)["graph"]
+    kernel = find_kernels(section_statements(module, graph))[0]
+    assert text.count(kernel.source) == 1
+    changed = text.replace(kernel.source, kernel.source.replace("{", "{ ", 1))
+    new = tmp_path / "new.py"
+    new.write_text(changed, encoding="utf-8")
+    old = str(GOLDEN / "inductor_inference.py")
+    full_code, full, _ = _cli(capsys, "diff", old, str(new))
+    summary_code, summary, _ = _cli(
+        capsys, "diff", "--summarize-kernels", old, str(new)
+    )
+    assert full_code == summary_code == 1
+    body_line = next(line for line in kernel.source.splitlines() if "{" in line)
+    assert f"-{body_line}" in full
+    assert body_line not in summary
+    summaries = re.findall(
+        rf"^([-+]){kernel.name} = .*<cpp_pybinding kernel {kernel.name}: [\d,]+ "
+        r"characters, sha256 ([0-9a-f]{12})>",
+        summary,
+        re.M,
+    )
+    assert [sign for sign, _ in summaries] == ["-", "+"]
+    assert summaries[0][1] != summaries[1][1]
+
+
+def test_diff_lists_constants_added_and_removed() -> None:
+    new = _golden("eager_inference")
+    module = parse_artifact(new)
+    symbols = next(
+        s
+        for s in module.body
+        if isinstance(s, ast.AnnAssign)
+        and isinstance(s.target, ast.Name)
+        and s.target.id == "USER_INPUT_SYMBOLS"
+    )
+    lines = new.splitlines(keepends=True)
+    # An artifact from before USER_INPUT_SYMBOLS existed.
+    old = "".join(lines[: symbols.lineno - 1] + lines[symbols.end_lineno or 0 :])
+    out, differs = diff_artifacts(old, new, "old.py", "new.py")
+    assert differs
+    assert "+ USER_INPUT_SYMBOLS (added): [None]" in out
+    assert "+USER_INPUT_SYMBOLS: list[dict[int, str] | None] = ..." in out
+
+
+# --- progress -------------------------------------------------------------------
+
+
+def test_progress_without_a_terminal_writes_log_lines() -> None:
+    stream = io.StringIO()
+    progress = Progress(stream)
+    assert not progress.interactive
+    with progress.stage("first"):
+        pass
+    with pytest.raises(ValueError), progress.stage("second"):
+        raise ValueError("boom")
+    lines = stream.getvalue().splitlines()
+    assert [re.sub(r"^\[\s*\d+\.\d s\] ", "", line) for line in lines] == [
+        "first ...",
+        f"first: done in {progress.seconds['first']:.1f} s",
+        "second ...",
+        f"second: failed in {progress.seconds['second']:.1f} s",
+    ]
+
+
+def test_progress_on_a_terminal_draws_a_live_line() -> None:
+    controller, terminal = pty.openpty()
+    with os.fdopen(terminal, "w") as stream:
+        progress = Progress(stream)
+        assert progress.interactive
+        with progress.stage("compiling"):
+            time.sleep(0.35)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal side is closed and drained
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    text = shown.decode()
+    frames = re.findall(r"\r\x1b\[K([|/\\-]) compiling \d+\.\d s", text)
+    assert len(frames) >= 3, text
+    assert len(set(frames)) >= 2, text
+    assert "ok compiling: done in" in text
+
+
+# --- gallery, golden workflow -----------------------------------------------------
+
+
+def _gallery_module() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "gallery", REPO_ROOT / "tools" / "gallery.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_gallery_is_generated_from_the_current_goldens() -> None:
+    gallery = _gallery_module()
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    wanted = gallery.update(readme, gallery.render_gallery(REPO_ROOT))
+    assert readme == wanted, (
+        "README.md's gallery differs from the goldens; run `python tools/gallery.py` "
+        "and commit README.md"
+    )
+    # It shows both backends' artifacts and inspect output, taken from the goldens.
+    section = readme.split(gallery.START)[1].split(gallery.END)[0]
+    assert "torch.ops.aten." in section and "async_compile.cpp_pybinding" in section
+    assert section.count("precompile-gen inspect tests/golden/") == 2
+    inspected = format_report(inspect_artifact(_golden("inductor_inference"), "x"))
+    assert inspected.splitlines()[1] in section  # "function   predict(...)"
+
+
+def test_documented_golden_update_command_regenerates_the_goldens(
+    tmp_path: Path,
+) -> None:
+    # The command from CONTRIBUTING.md, run on a copy of the test tree so that the
+    # real goldens are never written by the test suite.
+    contributing = (REPO_ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    assert "python -m pytest tests/test_golden.py --update-goldens" in contributing
+    copy = tmp_path / "tests"
+    copy.mkdir()
+    for name in ("conftest.py", "test_golden.py"):
+        shutil.copy(REPO_ROOT / "tests" / name, copy / name)
+    shutil.copytree(GOLDEN, copy / "golden")
+    shutil.copytree(REPO_ROOT / "tests" / "fixtures", copy / "fixtures")
+    (copy / "golden" / "eager_inference.py").unlink()
+    (copy / "golden" / "eager_train_step.py").write_text("stale\n", encoding="utf-8")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_golden.py",
+            "--update-goldens",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Each golden, the missing and the stale one included, is now exactly what
+    # test_golden compares against (whether or not the committed goldens are current).
+    spec = importlib.util.spec_from_file_location(
+        "golden_copy", copy / "test_golden.py"
+    )
+    assert spec is not None and spec.loader is not None
+    golden_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(golden_tests)
+    cases = golden_tests.CASES
+    assert sorted(p.stem for p in (copy / "golden").glob("*.py")) == sorted(cases)
+    for name, case in cases.items():
+        written = (copy / "golden" / f"{name}.py").read_text(encoding="utf-8")
+        assert written == render_artifact(case()), name
