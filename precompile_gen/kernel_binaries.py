@@ -153,6 +153,9 @@ def prime(payload: object) -> bool:
     root = Path(codecache.cache_dir())
     for name, data in payload["files"].items():
         target = root / name
+        # A file already under this name is kept: the name is inductor's hash of
+        # the kernel's source and build flags, so it holds an equivalent binary,
+        # which a running process may have loaded.
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             # Write-then-rename: a concurrent loader never sees half a binary.
