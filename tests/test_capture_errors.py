@@ -9,12 +9,12 @@ import copy
 import inspect
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import cast
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
 from torch._dynamo.decorators import mark_dynamic, mark_unbacked
 
@@ -53,84 +53,6 @@ def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     loss = model(x).square().mean()
     loss.backward()
     return loss.detach()
-
-
-# --- snapshot of everything a capture could touch ----------------------------------
-
-
-@dataclass(frozen=True)
-class _TensorState:
-    tensor: torch.Tensor
-    value: torch.Tensor
-    version: int
-    requires_grad: bool
-    grad: torch.Tensor | None
-    grad_value: torch.Tensor | None
-    grad_version: int | None
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> _TensorState:
-        grad = tensor.grad
-        return cls(
-            tensor=tensor,
-            value=tensor.detach().clone(),
-            version=tensor._version,
-            requires_grad=tensor.requires_grad,
-            grad=grad,
-            grad_value=None if grad is None else grad.detach().clone(),
-            grad_version=None if grad is None else grad._version,
-        )
-
-    def assert_same(self, name: str, tensor: torch.Tensor) -> None:
-        assert tensor is self.tensor, f"{name} was replaced by another tensor"
-        assert tensor._version == self.version, f"{name} was written in place"
-        assert tensor.requires_grad == self.requires_grad, name
-        torch.testing.assert_close(
-            tensor.detach(), self.value, rtol=0, atol=0, msg=f"{name} changed value"
-        )
-        assert tensor.grad is self.grad, f"{name}.grad was replaced or set"
-        if self.grad is not None:
-            assert self.grad_value is not None
-            assert self.grad._version == self.grad_version, f"{name}.grad was written"
-            torch.testing.assert_close(
-                self.grad, self.grad_value, rtol=0, atol=0, msg=f"{name}.grad changed"
-            )
-
-
-def _named_tensors(args: Iterable[object]) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer (tied aliases included) of the module arguments and
-    every tensor leaf of the other arguments, by a readable name."""
-    found: dict[str, torch.Tensor] = {}
-    for position, arg in enumerate(args):
-        if isinstance(arg, nn.Module):
-            members = itertools.chain(
-                arg.named_parameters(remove_duplicate=False),
-                arg.named_buffers(remove_duplicate=False),
-            )
-            for name, tensor in members:
-                found[f"argument {position}: {name}"] = tensor
-            continue
-        for path, leaf in pytree.tree_flatten_with_path(arg)[0]:
-            if isinstance(leaf, torch.Tensor):
-                found[f"argument {position}{pytree.keystr(path)}"] = leaf
-    return found
-
-
-class StateSnapshot:
-    """The state of a call's arguments, to prove later that nothing changed."""
-
-    def __init__(self, *args: object) -> None:
-        self._args = args
-        self._states = {
-            name: _TensorState.of(tensor)
-            for name, tensor in _named_tensors(args).items()
-        }
-
-    def assert_unchanged(self) -> None:
-        now = _named_tensors(self._args)
-        assert list(now) == list(self._states), "the set of tensors changed"
-        for name, tensor in now.items():
-            self._states[name].assert_same(name, tensor)
 
 
 def with_some_grads(model: nn.Module) -> nn.Module:
@@ -399,7 +321,7 @@ def test_unserialisable_input_spec_degrades_to_no_structure_check(
     expected = step_on_pair(expected_model, batch)
     forward = pg.load(python_code, cache)
     torch.testing.assert_close(forward(model, batch), expected)
-    _assert_same_state(model, expected_model)
+    assert_same_state(model, expected_model)
 
 
 def clone_with_grads(model: nn.Module) -> nn.Module:
@@ -410,20 +332,6 @@ def clone_with_grads(model: nn.Module) -> nn.Module:
         grad = originals[name].grad
         param.grad = None if grad is None else grad.clone()
     return clone
-
-
-def _assert_same_state(actual: nn.Module, expected: nn.Module) -> None:
-    for (name, got), (_, want) in zip(
-        _named_tensors([actual]).items(),
-        _named_tensors([expected]).items(),
-        strict=True,
-    ):
-        torch.testing.assert_close(got, want, msg=name)
-        if want.grad is None:
-            assert got.grad is None, name
-        else:
-            assert got.grad is not None, name
-            torch.testing.assert_close(got.grad, want.grad, msg=f"{name}.grad")
 
 
 # --- arguments of precompile itself -------------------------------------------------

@@ -9,11 +9,12 @@ dim. The capture-time rejections only trace, so they cost no compile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
+from state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 
@@ -48,41 +49,6 @@ def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch
     return loss.detach()
 
 
-def _state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from model.named_parameters()
-    yield from model.named_buffers()
-
-
-class Snapshot:
-    """A model's parameters, buffers and ``.grad`` fields, to prove nothing changed."""
-
-    def __init__(self, model: nn.Module, *inputs: torch.Tensor) -> None:
-        self._model = model
-        self._inputs = [(x, x.clone()) for x in inputs]
-        self._state = [
-            (name, t, t.detach().clone(), t.grad, _clone(t.grad))
-            for name, t in _state(model)
-        ]
-
-    def assert_unchanged(self) -> None:
-        now = list(_state(self._model))
-        assert [n for n, _ in now] == [s[0] for s in self._state]
-        for (_, tensor), (name, was, value, grad, grad_value) in zip(
-            now, self._state, strict=True
-        ):
-            assert tensor is was, f"{name} was replaced"
-            torch.testing.assert_close(tensor.detach(), value, rtol=0, atol=0)
-            assert tensor.grad is grad, f"{name}.grad was replaced or set"
-            if grad is not None:
-                torch.testing.assert_close(grad, grad_value, rtol=0, atol=0)
-        for x, value in self._inputs:
-            torch.testing.assert_close(x, value, rtol=0, atol=0)
-
-
-def _clone(grad: torch.Tensor | None) -> torch.Tensor | None:
-    return None if grad is None else grad.clone()
-
-
 def with_grads(model: nn.Module) -> nn.Module:
     for param in model.parameters():
         param.grad = torch.full_like(param, 0.5)
@@ -106,7 +72,7 @@ def inference() -> Compiled:
 @dataclass
 class CompiledTraining(Compiled):
     # The example model and inputs as capture left them, with a snapshot from before.
-    example: Snapshot
+    example: StateSnapshot
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +81,7 @@ def training() -> CompiledTraining:
     x, target = randn(6, 4, seed=1), randn(6, 3, seed=2)
     mark_unbacked(x, 0, shape_id="batch", min=2, max=64)
     mark_unbacked(target, 0, shape_id="batch")
-    example = Snapshot(model, x, target)
+    example = StateSnapshot(model, x, target)
     code, cache = pg.precompile(train_step, model, x, target)
     return CompiledTraining(code, pg.load(code, cache), example)
 
@@ -147,9 +113,7 @@ def test_training_step_grads_match_eager(
     ours, eager = with_grads(make_bn_mlp(3)), with_grads(make_bn_mlp(3))
     loss = training.forward(ours, x, target)
     torch.testing.assert_close(loss, train_step(eager, x, target))
-    for (name, got), (_, want) in zip(_state(ours), _state(eager), strict=True):
-        torch.testing.assert_close(got, want, msg=name)
-        torch.testing.assert_close(got.grad, want.grad, msg=f"{name}.grad")
+    assert_same_state(ours, eager)
 
 
 def test_capture_leaves_the_example_untouched(training: CompiledTraining) -> None:
@@ -178,7 +142,7 @@ def test_size_outside_bounds_is_rejected_before_running(
 ) -> None:
     model = with_grads(make_bn_mlp(3))
     x, target = randn(batch, 4, seed=0), randn(batch, 3, seed=1)
-    snapshot = Snapshot(model, x, target)
+    snapshot = StateSnapshot(model, x, target)
     assert_rejected(
         lambda: training.forward(model, x, target),
         ["argument 1", f"size {batch} in dim 0", "min=2, max=64", "wider bounds"],
@@ -204,7 +168,7 @@ def test_shared_shape_id_sizes_must_agree_at_run_time(
     training: CompiledTraining,
 ) -> None:
     model = with_grads(make_bn_mlp(3))
-    grads = {name: _clone(p.grad) for name, p in model.named_parameters()}
+    snapshot = StateSnapshot(model)
     assert_rejected(
         lambda: training.forward(model, randn(3, 4, seed=0), randn(5, 3, seed=1)),
         [
@@ -213,8 +177,7 @@ def test_shared_shape_id_sizes_must_agree_at_run_time(
             "equal sizes",
         ],
     )
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name], rtol=0, atol=0)
+    snapshot.assert_unchanged()
 
 
 def test_shared_shape_id_mismatch_leaves_the_model_untouched(
@@ -222,7 +185,7 @@ def test_shared_shape_id_mismatch_leaves_the_model_untouched(
 ) -> None:
     model = with_grads(make_bn_mlp(3))
     x, target = randn(3, 4, seed=0), randn(5, 3, seed=1)
-    snapshot = Snapshot(model, x, target)
+    snapshot = StateSnapshot(model, x, target)
     with pytest.raises(pg.PrecompileError):
         training.forward(model, x, target)
     snapshot.assert_unchanged()

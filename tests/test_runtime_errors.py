@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import itertools
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ from typing import TypedDict
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
+from state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
 
 import precompile_gen as pg
@@ -109,85 +108,6 @@ def clone_with_grads(model: nn.Module) -> nn.Module:
         grad = originals[name].grad
         param.grad = None if grad is None else grad.clone()
     return clone
-
-
-# --- snapshot of everything a call could touch --------------------------------------
-
-
-@dataclass(frozen=True)
-class _TensorState:
-    tensor: torch.Tensor
-    value: torch.Tensor
-    version: int
-    grad: torch.Tensor | None
-    grad_value: torch.Tensor | None
-    grad_version: int | None
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> _TensorState:
-        grad = tensor.grad
-        return cls(
-            tensor=tensor,
-            value=tensor.detach().clone(),
-            version=tensor._version,
-            grad=grad,
-            grad_value=None if grad is None else grad.detach().clone(),
-            grad_version=None if grad is None else grad._version,
-        )
-
-    def assert_same(self, name: str, tensor: torch.Tensor) -> None:
-        assert tensor is self.tensor, f"{name} was replaced by another tensor"
-        assert tensor._version == self.version, f"{name} was written in place"
-        _assert_equal(tensor.detach(), self.value, f"{name} changed value")
-        assert tensor.grad is self.grad, f"{name}.grad was replaced or set"
-        if self.grad is not None:
-            assert self.grad_value is not None
-            assert self.grad._version == self.grad_version, f"{name}.grad was written"
-            _assert_equal(self.grad, self.grad_value, f"{name}.grad changed")
-
-
-def _assert_equal(actual: torch.Tensor, expected: torch.Tensor, message: str) -> None:
-    if actual.device.type == "meta":
-        # Meta tensors have no values; the version counter still catches writes.
-        assert (actual.shape, actual.dtype) == (expected.shape, expected.dtype), message
-        return
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=message)
-
-
-def _named_tensors(args: Iterable[object]) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer (tied aliases included) of the module arguments and
-    every tensor leaf of the other arguments, by a readable name."""
-    found: dict[str, torch.Tensor] = {}
-    for position, arg in enumerate(args):
-        if isinstance(arg, nn.Module):
-            members = itertools.chain(
-                arg.named_parameters(remove_duplicate=False),
-                arg.named_buffers(remove_duplicate=False),
-            )
-            for name, tensor in members:
-                found[f"argument {position}: {name}"] = tensor
-            continue
-        for path, leaf in pytree.tree_flatten_with_path(arg)[0]:
-            if isinstance(leaf, torch.Tensor):
-                found[f"argument {position}{pytree.keystr(path)}"] = leaf
-    return found
-
-
-class StateSnapshot:
-    """The state of some models and inputs, to prove later that nothing changed."""
-
-    def __init__(self, *objects: object) -> None:
-        self._objects = objects
-        self._states = {
-            name: _TensorState.of(tensor)
-            for name, tensor in _named_tensors(objects).items()
-        }
-
-    def assert_unchanged(self) -> None:
-        now = _named_tensors(self._objects)
-        assert list(now) == list(self._states), "the set of tensors changed"
-        for name, tensor in now.items():
-            self._states[name].assert_same(name, tensor)
 
 
 def assert_call_rejected(
@@ -526,18 +446,6 @@ def test_different_device(
 # --- recovery and the artifact on its own --------------------------------------------
 
 
-def _assert_same_state(actual: nn.Module, expected: nn.Module) -> None:
-    got, want = _named_tensors([actual]), _named_tensors([expected])
-    assert list(got) == list(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], msg=name)
-        if want[name].grad is None:
-            assert got[name].grad is None, name
-        else:
-            assert got[name].grad is not None, name
-            torch.testing.assert_close(got[name].grad, want[name].grad, msg=name)
-
-
 def test_correct_call_after_rejection_matches_eager(
     forward: Callable[..., object], model: nn.Module
 ) -> None:
@@ -546,7 +454,7 @@ def test_correct_call_after_rejection_matches_eager(
     torch.testing.assert_close(
         forward(model, first, 0.5), train_step(expected_model, first, 0.5)
     )
-    _assert_same_state(model, expected_model)
+    assert_same_state(model, expected_model)
 
     assert_call_rejected(forward, model, make_batch(rows=3), 0.5, match=["shape"])
     assert_call_rejected(forward, Net(hidden=5), second, 0.5, match=["shape"])
@@ -554,7 +462,7 @@ def test_correct_call_after_rejection_matches_eager(
     torch.testing.assert_close(
         forward(model, second, 0.5), train_step(expected_model, second, 0.5)
     )
-    _assert_same_state(model, expected_model)
+    assert_same_state(model, expected_model)
 
 
 def test_error_type_without_precompile_gen(
