@@ -8,6 +8,7 @@ refuses a mixed pair through the cache's code_hash instead of running it.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
@@ -136,6 +137,35 @@ def test_precompile_rejects_one_file_for_both(tmp_path: Path) -> None:
         )
 
 
+def _never_traced(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("the paths are checked before anything is traced")
+
+
+@pytest.mark.parametrize(
+    ("artifact", "cache", "problem"),
+    [
+        ("missing/step.py", "step.cache", "folder that does not exist"),
+        ("step.py", "missing/step.cache", "folder that does not exist"),
+        (".", "step.cache", "is a folder"),
+        ("step.py", ".", "is a folder"),
+    ],
+)
+def test_precompile_checks_the_paths_before_capture(
+    tmp_path: Path, artifact: str, cache: str, problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem) as info:
+        pg.precompile(
+            _never_traced,
+            linear_model(),
+            example_input(),
+            backend="eager",
+            artifact_path=tmp_path / artifact,
+            cache_path=tmp_path / cache,
+        )
+    assert "_path" in str(info.value)  # names the argument
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_load_names_a_missing_file(pairs: list[Pair], tmp_path: Path) -> None:
     with pytest.raises(pg.PrecompileError, match="cannot read the artifact file"):
         pg.load(tmp_path / "missing.py", pairs[0].cache)
@@ -156,15 +186,33 @@ def test_load_rejects_an_artifact_file_that_is_not_utf8(
     assert "byte 100" in str(info.value)
 
 
+@pytest.mark.parametrize("failing_fsync", [1, 2], ids=["artifact", "cache"])
 def test_a_failed_write_leaves_the_previous_pair_and_no_temporary_file(
-    pairs: list[Pair], tmp_path: Path
+    pairs: list[Pair],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    failing_fsync: int,
 ) -> None:
     artifact, cache = tmp_path / "step.py", tmp_path / "step.cache"
     files.write_pair(artifact, cache, pairs[0].code, pairs[0].cache)
-    with pytest.raises(FileNotFoundError):
-        files.write_pair(
-            artifact, tmp_path / "no-such-folder" / "c", pairs[1].code, pairs[1].cache
-        )
+    # The disk fills up while the artifact's (1) or the cache's (2) temporary file
+    # is flushed.
+    calls: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync_fails(descriptor: int) -> None:
+        calls.append(descriptor)
+        if len(calls) == failing_fsync:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(files.os, "fsync", fsync_fails)
+    with pytest.raises(pg.PrecompileError) as info:
+        files.write_pair(artifact, cache, pairs[1].code, pairs[1].cache)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert "No space left on device" in message
+    assert "The files already there are unchanged." in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step.cache", "step.py"]
     _assert_runs_like(0, pg.load(artifact, cache))
 
@@ -201,13 +249,21 @@ def test_a_crash_between_the_renames_leaves_a_pair_that_load_refuses(
 
 # --- fault injection ----------------------------------------------------------------
 
-# Loads files.py by path, so the writer starts without importing torch (which
-# precompile_gen's package import would), and rewrites the pairs in a loop.
+# Loads files.py and the error module it imports by path, so that the writer starts
+# without importing torch (which importing the precompile_gen package would), and
+# rewrites the pairs in a loop.
 _WRITER = """\
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("precompile_gen_files", sys.argv[1])
-files = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(files)
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+load("precompile_gen.errors", sys.argv[1].replace("files.py", "errors.py"))
+files = load("precompile_gen.files", sys.argv[1])
 artifact, cache, sources = sys.argv[2], sys.argv[3], sys.argv[4:]
 pairs = []
 for code, data in zip(sources[::2], sources[1::2]):
