@@ -197,6 +197,11 @@ def render_skeleton(cap: CaptureResult) -> str:
 
 def render_artifact(cap: CaptureResult) -> str:
     """The artifact's text for ``cap``; the same capture always gives the same bytes."""
+    if not isinstance(cap, CaptureResult):
+        raise ValueError(
+            "render_artifact takes the CaptureResult that precompile_gen.capture() "
+            f"returns, got {type(cap).__name__}."
+        )
     before, after = render_skeleton(cap).split(GRAPH_MARKER)
     # The graph is copied once, into the result, whatever its size: its trailing
     # newlines count towards the two blank lines after it, so that only leading blank

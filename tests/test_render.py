@@ -185,3 +185,8 @@ def test_function_name_cannot_inject_code_through_the_header(backend: Backend) -
     namespace: dict[str, object] = {}
     exec(compile(code, "<artifact>", "exec"), namespace)
     assert "INJECTED" not in namespace
+
+
+def test_render_artifact_names_a_wrong_argument() -> None:
+    with pytest.raises(ValueError, match="takes the CaptureResult"):
+        pg.render_artifact("python_code")  # type: ignore[arg-type]

@@ -201,6 +201,18 @@ def test_wrong_arity(forward: Callable[..., object], model: nn.Module) -> None:
     )
 
 
+def test_keyword_arguments(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    snapshot = StateSnapshot(model, batch)
+    with pytest.raises(pg.PrecompileError) as caught:
+        forward(model, batch, scale=0.5)
+    message = str(caught.value)
+    for text in ["positional arguments only", "(module, input, input)", "['scale']"]:
+        assert text in message, f"{text!r} not in the message: {message}"
+    snapshot.assert_unchanged()
+
+
 def test_non_module_at_module_position(
     forward: Callable[..., object], model: nn.Module, batch: Batch
 ) -> None:

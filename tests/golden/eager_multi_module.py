@@ -230,6 +230,14 @@ def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
     return f"argument {position}{pytree.keystr(path[1:])}"
 
 
+def _reject_keywords(keywords: dict[str, object]) -> NoReturn:
+    _fail(
+        f"forward() takes positional arguments only ({_SIGNATURE}), as the traced "
+        f"function was captured, but got keyword argument(s) {sorted(keywords)}. "
+        "Pass every argument by position, in the order of the captured call."
+    )
+
+
 def _split_arguments(
     args: tuple[object, ...],
 ) -> tuple[list[torch.nn.Module], list[object]]:
@@ -617,10 +625,12 @@ def _finish(tensors: list[torch.Tensor], flat_outputs: list[object]) -> object:
     return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
 
 
-def forward(*args: object) -> object:
+def forward(*args: object, **keywords: object) -> object:
     """Run the captured computation: ``forward(model, *inputs)`` with the arguments the
     traced function took. Returns the function's result; gradients it computed are
     added to the model's ``.grad`` fields."""
+    if keywords:
+        _reject_keywords(keywords)
     modules, leaves = _split_arguments(args)
     tensors = _remembered_state(modules)
     if tensors is None:
