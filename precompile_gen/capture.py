@@ -42,6 +42,7 @@ def capture(
 ) -> CaptureResult:
     """Trace ``fn(*example_inputs)`` and lower the graph; no artifact text yet."""
     checked = _check_arguments(fn, backend, tracer)
+    kernel_binaries.check_cache_folder()
     what = f"capture of {_fn_name(fn)!r} (backend {checked!r})"
     # make_fx and fx's patcher keep the current tracer in module globals, so two
     # traces on different threads corrupt each other; captures take turns.

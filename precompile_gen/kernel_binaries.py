@@ -37,6 +37,8 @@ from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
+from precompile_gen.errors import PrecompileError
+
 log = logging.getLogger(__name__)
 
 PAYLOAD_KIND = "inductor-cpp-kernels"
@@ -133,6 +135,25 @@ def collect(graph_source: str) -> dict[str, object]:
     }
 
 
+def check_cache_folder() -> None:
+    """Fail clearly if TORCHINDUCTOR_CACHE_DIR names a folder that cannot be created.
+
+    torch creates that folder when tracing or compiling first imports its compiler
+    stack, and fails with a bare OSError deep inside the import if it cannot.
+    """
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise PrecompileError(
+            f"TORCHINDUCTOR_CACHE_DIR is {folder!r}, a folder that cannot be created "
+            f"({error.strerror or error}); torch's tracer and compiler keep their "
+            "files there. Set it to a folder this process can write to, or unset it."
+        ) from error
+
+
 def prime(payload: object) -> bool:
     """Write the payload's binaries into the inductor cache folder.
 
@@ -150,22 +171,41 @@ def prime(payload: object) -> bool:
     from torch._inductor import codecache
 
     assert isinstance(payload, dict)
-    root = Path(codecache.cache_dir())
-    for name, data in payload["files"].items():
-        target = root / name
-        # A file already under this name is kept: the name is inductor's hash of
-        # the kernel's source and build flags, so it holds an equivalent binary,
-        # which a running process may have loaded.
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Write-then-rename: a concurrent loader never sees half a binary.
-            partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    # Named in the error if even creating the folder fails.
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "(its default location)"
+    try:
+        root = codecache.cache_dir()  # creates the folder
+        for name, data in payload["files"].items():
+            target = Path(root, name)
+            _write_binary(target, data, probe=not name.endswith(".main.so"))
+    except OSError as error:
+        # Compiling from python_code instead would need to write there too.
+        raise PrecompileError(
+            f"cannot write the cache's kernel binaries into inductor's cache folder "
+            f"{root} ({error.strerror or error}: {error.filename}); an "
+            "inductor artifact loads its kernels from files there. Set "
+            "TORCHINDUCTOR_CACHE_DIR to a folder this process can write to, and load "
+            "again."
+        ) from error
+    return True
+
+
+def _write_binary(target: Path, data: bytes, *, probe: bool) -> None:
+    # A file already under this name is kept: the name is inductor's hash of the
+    # kernel's source and build flags, so it holds an equivalent binary, which a
+    # running process may have loaded.
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Write-then-rename: a concurrent loader never sees half a binary.
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
             partial.write_bytes(data)
             os.replace(partial, target)
-        if not name.endswith(".main.so"):
-            # The marker records that the probe binary loaded on this machine.
-            target.with_name(target.name + _PROBE_MARKER).touch()
-    return True
+        finally:
+            partial.unlink(missing_ok=True)
+    if probe:
+        # The marker records that the probe binary loaded on this machine.
+        target.with_name(target.name + _PROBE_MARKER).touch()
 
 
 @contextlib.contextmanager

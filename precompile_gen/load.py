@@ -146,6 +146,7 @@ def load(
     signed = key is not None
     if backend != "inductor":
         return _execute(text, filename, signed=signed)
+    kernel_binaries.check_cache_folder()
     primed = artifact is not None and kernel_binaries.prime(artifact)
     # Executing inductor's module compiles or loads its kernels through
     # process-global compiler state, as lowering does; the two take turns.

@@ -270,3 +270,73 @@ def test_load_leaves_inductor_config_as_it_was(pair: Pair) -> None:
     before = config.save_config_portable()
     _assert_matches_eager(pg.load(pair.code, pair.cache))
     assert config.save_config_portable() == before
+
+
+def test_a_kernel_binary_that_cannot_be_written_is_named_with_the_fix(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    files = _payload(pair)["files"]
+    assert isinstance(files, dict)
+    # A regular file where a binary's sub-folder goes: it cannot be created (a
+    # read-only folder behaves alike, for any user but root).
+    blocker = tmp_path / next(iter(files)).split("/")[0]
+    blocker.write_bytes(b"")
+    with pytest.raises(pg.PrecompileError) as info:
+        pg.load(pair.code, pair.cache)
+    message = str(info.value)
+    assert f"inductor's cache folder {tmp_path}" in message
+    assert (
+        "Set TORCHINDUCTOR_CACHE_DIR to a folder this process can write to" in message
+    )
+    assert blocker.read_bytes() == b""
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+_UNUSABLE_CACHE_FOLDER = """\
+import sys
+from pathlib import Path
+import torch
+import precompile_gen as pg
+
+code, cache = Path(sys.argv[1]), Path(sys.argv[2])
+for what, call in [
+    ("precompile", lambda: pg.precompile(
+        lambda m, x: m(x), torch.nn.Linear(3, 2), torch.randn(4, 3), backend="eager"
+    )),
+    ("load", lambda: pg.load(code, cache)),
+]:
+    try:
+        call()
+        print(what, "no error")
+    except pg.PrecompileError as error:
+        print(what, str(error).replace("\\n", " "))
+"""
+
+
+@pytest.mark.slow
+def test_a_cache_folder_that_cannot_be_created_fails_clearly_in_a_fresh_process(
+    pair: Pair, tmp_path: Path
+) -> None:
+    # In a fresh process torch creates TORCHINDUCTOR_CACHE_DIR while importing its
+    # compiler stack, which tracing does too, and fails with a bare OSError if it
+    # cannot; precompile and load say which folder and what to do instead.
+    blocked = tmp_path / "a-file"
+    blocked.write_bytes(b"")
+    code, cache = tmp_path / "step.py", tmp_path / "step.cache"
+    code.write_text(pair.code, encoding="utf-8")
+    cache.write_bytes(pair.cache)
+    done = subprocess.run(
+        [sys.executable, "-c", _UNUSABLE_CACHE_FOLDER, str(code), str(cache)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(blocked / "inductor")},
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["precompile", "load"], done.stdout
+    for line in lines:
+        assert f"TORCHINDUCTOR_CACHE_DIR is {str(blocked / 'inductor')!r}" in line
+        assert "Set it to a folder this process can write to" in line
+    assert blocked.read_bytes() == b""
