@@ -17,13 +17,12 @@ import hashlib
 import hmac
 import io
 import logging
-import reprlib
 import struct
 from collections.abc import Callable
 
 import torch
 
-from precompile_gen.errors import PrecompileError
+from precompile_gen.errors import PrecompileError, describe_untrusted
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +32,6 @@ CACHE_VERSION = 1
 # Prefixed to what is signed, so a signature made for anything else under the same
 # key (another tool, a future layout of this one) never verifies here.
 _SIGNATURE_DOMAIN = "precompile_gen signature v1"
-
-# Values read from a hostile cache can be huge or deeply nested; messages show them
-# through this, which bounds both length and depth.
-_bounded_repr = reprlib.Repr()
-_bounded_repr.maxlevel = 3
-_bounded_repr.maxstring = _bounded_repr.maxother = 40
-_describe = _bounded_repr.repr
 
 
 def code_hash(python_code: str) -> str:
@@ -162,7 +154,7 @@ def read_cache(
     artifact (different backend or code hash), and, when ``key`` is given, unless
     the envelope carries a signature that matches it.
     """
-    envelope, problem = _read_envelope(cache)
+    envelope, problem = read_envelope(cache)
     if envelope is None:
         if key is not None:
             raise PrecompileError(
@@ -176,27 +168,9 @@ def read_cache(
             problem,
         )
         return None
-    found_backend = envelope.get("backend")
-    if not _is(found_backend, backend):
-        raise PrecompileError(
-            f"the cache was made by the {_describe(found_backend)} backend but "
-            f"python_code by the {backend!r} backend, so the two files do not belong "
-            "together. Pass the cache returned with this python_code by the same "
-            "precompile() call."
-        )
-    expected = code_hash(python_code)
-    found_hash = envelope.get("code_hash")
-    if not _is(found_hash, expected):
-        shown = found_hash[:16] if isinstance(found_hash, str) else found_hash
-        raise PrecompileError(
-            "the cache belongs to another artifact: its code_hash "
-            f"{_describe(shown)}... differs from sha256(python_code) "
-            f"{expected[:16]}..., so the two files do not belong together. Pass the "
-            "cache returned with this python_code by the same precompile() call."
-        )
-    artifact = envelope.get("artifact")
-    if key is not None:
-        _check_signature(envelope, key, python_code, backend, artifact)
+    artifact = check_envelope(
+        envelope, python_code=python_code, backend=backend, key=key
+    )
     if artifact is not None and not isinstance(artifact, dict):
         log.warning(
             "precompile_gen.load: the cache's artifact is a %s, not a dict; "
@@ -207,13 +181,15 @@ def read_cache(
     return artifact
 
 
-def _read_envelope(cache: bytes) -> tuple[dict[str, object], None] | tuple[None, str]:
+def read_envelope(cache: bytes) -> tuple[dict[str, object], None] | tuple[None, str]:
     """The envelope, or None and why it cannot be used."""
     try:
         envelope = torch.load(io.BytesIO(cache), weights_only=True)
     except Exception as error:
+        # Only torch's first sentence: the rest advises weights_only=False, which
+        # would execute the file.
         lines = str(error).splitlines()
-        first = lines[0] if lines else ""
+        first = lines[0].split(". ")[0] if lines else ""
         if len(first) > 200:
             first = first[:200] + "..."
         return None, f"the cache cannot be read ({type(error).__name__}: {first})"
@@ -229,9 +205,42 @@ def _read_envelope(cache: bytes) -> tuple[dict[str, object], None] | tuple[None,
         )
         return None, (
             f"the cache is not a {CACHE_FORMAT} version {CACHE_VERSION} envelope "
-            f"(found {_describe(found)})"
+            f"(found {describe_untrusted(found)})"
         )
     return envelope, None
+
+
+def check_envelope(
+    envelope: dict[str, object],
+    *,
+    python_code: str,
+    backend: str,
+    key: bytes | None = None,
+) -> object:
+    """The envelope's artifact payload, after checking that the envelope belongs to
+    ``python_code`` (backend, code_hash) and, with ``key``, its signature."""
+    found_backend = envelope.get("backend")
+    if not _is(found_backend, backend):
+        raise PrecompileError(
+            f"the cache was made by the {describe_untrusted(found_backend)} backend "
+            f"but python_code by the {backend!r} backend, so the two files do not "
+            "belong together. Pass the cache returned with this python_code by the "
+            "same precompile() call."
+        )
+    expected = code_hash(python_code)
+    found_hash = envelope.get("code_hash")
+    if not _is(found_hash, expected):
+        shown = found_hash[:16] if isinstance(found_hash, str) else found_hash
+        raise PrecompileError(
+            "the cache belongs to another artifact: its code_hash "
+            f"{describe_untrusted(shown)}... differs from sha256(python_code) "
+            f"{expected[:16]}..., so the two files do not belong together. Pass the "
+            "cache returned with this python_code by the same precompile() call."
+        )
+    artifact = envelope.get("artifact")
+    if key is not None:
+        _check_signature(envelope, key, python_code, backend, artifact)
+    return artifact
 
 
 def _check_signature(

@@ -1,9 +1,12 @@
-"""The one exception type for contract violations.
+"""The one exception type for contract violations, and how messages show values
+read from untrusted input.
 
 Kept free of torch imports: an emitted artifact imports this module lazily, on its
 error path only, so that callers can catch the same type whether the error came from
 capture, from ``load`` or from inside the artifact's driver.
 """
+
+import reprlib
 
 
 class PrecompileError(RuntimeError):
@@ -11,3 +14,11 @@ class PrecompileError(RuntimeError):
 
     The message names what differed, what was expected and how to fix it.
     """
+
+
+# A value read from a damaged or hostile cache can be huge or deeply nested, and repr
+# could recurse through it; messages show such values bounded in length and depth.
+_bounded_repr = reprlib.Repr()
+_bounded_repr.maxlevel = 3
+_bounded_repr.maxstring = _bounded_repr.maxother = 60
+describe_untrusted = _bounded_repr.repr

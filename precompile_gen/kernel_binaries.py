@@ -29,7 +29,6 @@ import logging
 import os
 import platform
 import re
-import reprlib
 import shutil
 import sysconfig
 import threading
@@ -37,7 +36,7 @@ from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
-from precompile_gen.errors import PrecompileError
+from precompile_gen.errors import PrecompileError, describe_untrusted
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +50,6 @@ LOAD_CONFIG: dict[str, object] = {"cpp_cache_precompile_headers": False}
 # Nothing else may be written from a cache.
 _BINARY_PATH = re.compile(r"[a-z0-9]{2}/c[a-z0-9]{51}\.(main\.)?so")
 _PROBE_MARKER = ".load_ok"
-
-# A payload read from a hostile cache can hold huge or deeply nested values; reasons
-# show them through this, which bounds both length and depth (repr could recurse).
-_bounded_repr = reprlib.Repr()
-_bounded_repr.maxlevel = 3
-_bounded_repr.maxstring = _bounded_repr.maxother = 60
-_describe = _bounded_repr.repr
 
 # torch's tracer (make_fx, fx's patcher) and inductor's compiler (config.patch,
 # kernel compilation) keep process-wide state: capture, lowering, the kernel scan and
@@ -220,6 +212,27 @@ def loading_config() -> Generator[None]:
 def _unusable(payload: object) -> str | None:
     """Why the payload's binaries must not be used here, or None. (The envelope's
     code_hash, checked before, binds the payload to its artifact.)"""
+    damage = damaged(payload)
+    if damage is not None:
+        return damage
+    assert isinstance(payload, dict)
+    built = payload.get("build")
+    if not isinstance(built, dict):
+        return "it records no build fingerprint"
+    here = build_fingerprint()
+    differing = differing_build(payload, here)
+    if differing:
+        details = ", ".join(
+            f"{key} {describe_untrusted(built.get(key))} (here {here[key]!r})"
+            for key in differing
+        )
+        return f"they were built for a different environment: {details}"
+    return None
+
+
+def damaged(payload: object) -> str | None:
+    """What makes ``payload`` other than an intact kernel-binary payload, or None:
+    its kind, its manifest, a file name outside inductor's binaries, a digest."""
     if not isinstance(payload, dict) or payload.get("kind") != PAYLOAD_KIND:
         return "the payload is not a kernel-binary payload"
     files, digests = payload.get("files"), payload.get("sha256")
@@ -227,23 +240,21 @@ def _unusable(payload: object) -> str | None:
         return "its file manifest is malformed"
     for name, data in files.items():
         if not isinstance(name, str) or not _BINARY_PATH.fullmatch(name):
-            return f"it names an unexpected file {_describe(name)}"
+            return f"it names an unexpected file {describe_untrusted(name)}"
         if not isinstance(data, bytes):
             return f"the binary {name} is not bytes"
         if hashlib.sha256(data).hexdigest() != digests.get(name):
             return f"the binary {name} does not match its sha256"
-    built = payload.get("build")
-    here = build_fingerprint()
-    if not isinstance(built, dict):
-        return "it records no build fingerprint"
-    differing = [key for key in here if built.get(key) != here[key]]
-    if differing:
-        details = ", ".join(
-            f"{key} {_describe(built.get(key))} (here {here[key]!r})"
-            for key in differing
-        )
-        return f"they were built for a different environment: {details}"
     return None
+
+
+def differing_build(payload: dict[str, object], here: dict[str, str]) -> list[str]:
+    """The entries of ``here`` (a ``build_fingerprint()``) that the payload's binaries
+    were built with differently; all of them if it records no fingerprint."""
+    built = payload.get("build")
+    if not isinstance(built, dict):
+        return list(here)
+    return [key for key in here if built.get(key) != here[key]]
 
 
 @contextlib.contextmanager

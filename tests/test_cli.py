@@ -440,8 +440,15 @@ def test_verify_checks_the_kernel_binaries_digests(
         "sha256": {name: hashlib.sha256(b"binary").hexdigest()},
     }
     damaged: dict[str, object] = {**payload, "sha256": {name: "0" * 64}}
+    # A file name load would refuse to write: outside inductor's binaries.
+    escaping_name = "../../escaped.main.so"
+    escaping: dict[str, object] = {
+        **payload,
+        "files": {escaping_name: b"binary"},
+        "sha256": {escaping_name: hashlib.sha256(b"binary").hexdigest()},
+    }
     step, cache = _pair(tmp_path, "step", code, build_cache(code, "inductor", payload))
-    for name_, data in [("damaged", damaged), ("bare", None)]:
+    for name_, data in [("damaged", damaged), ("bare", None), ("escaping", escaping)]:
         (tmp_path / f"{name_}.cache").write_bytes(build_cache(code, "inductor", data))
 
     result, out, err = _cli(capsys, "verify", step, cache)
@@ -453,6 +460,8 @@ def test_verify_checks_the_kernel_binaries_digests(
     assert "kernel binaries  none: load compiles the kernels from source" in out
     result, _, err = _cli(capsys, "verify", step, str(tmp_path / "damaged.cache"))
     _assert_one_line_error(result, err, "verify", 1, "does not match its sha256")
+    result, _, err = _cli(capsys, "verify", step, str(tmp_path / "escaping.cache"))
+    _assert_one_line_error(result, err, "verify", 1, "unexpected file")
 
 
 # --- diff -------------------------------------------------------------------------
