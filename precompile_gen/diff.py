@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from precompile_gen.inspection import (
     find_kernels,
     kernel_summary,
-    parse_artifact,
     section_statements,
 )
+from precompile_gen.load import parse_artifact
 from precompile_gen.sections import Section, split_sections
 
 # A constant whose value is not a literal still gets compared, by its source text.

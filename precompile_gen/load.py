@@ -27,16 +27,25 @@ def parse_metadata(python_code: str) -> dict[str, object]:
             f"python_code must be the artifact's text (a str), got "
             f"{type(python_code).__name__}."
         )
+    return metadata_of(parse_artifact(python_code))
+
+
+def parse_artifact(python_code: str, what: str = "python_code") -> ast.Module:
+    """The artifact's syntax tree; PrecompileError naming ``what`` if it has none."""
     try:
-        module = ast.parse(python_code)
+        return ast.parse(python_code)
     # Deeply nested expressions make the parser give up with RecursionError or
     # MemoryError (its own stack guard), not SyntaxError.
     except (SyntaxError, ValueError, RecursionError, MemoryError) as error:
         raise PrecompileError(
-            f"python_code is not valid Python ({type(error).__name__}: {error}); it "
-            "is not a precompile_gen artifact, or it was truncated or edited. Pass the "
-            "python_code returned by precompile()."
+            f"{what} is not valid Python ({type(error).__name__}: {error}); it is not "
+            "a precompile_gen artifact, or it was truncated or edited. Pass the "
+            "python_code returned by precompile() (or the file it wrote)."
         ) from error
+
+
+def metadata_of(module: ast.Module) -> dict[str, object]:
+    """The metadata constants of a parsed artifact (see ``parse_metadata``)."""
     _reject_rebinding(module)
     found: dict[str, object] = {}
     for statement in module.body:

@@ -34,9 +34,9 @@ from precompile_gen.inspection import (
     find_kernels,
     format_report,
     inspect_artifact,
-    parse_artifact,
     section_statements,
 )
+from precompile_gen.load import parse_artifact
 from precompile_gen.progress import Progress
 from precompile_gen.render import render_artifact
 from precompile_gen.sections import sections_by_key

@@ -21,9 +21,9 @@ from precompile_gen.inspection import (
     find_kernels,
     format_report,
     inspect_artifact,
-    parse_artifact,
     section_statements,
 )
+from precompile_gen.load import parse_artifact
 from precompile_gen.sections import Section, sections_by_key
 
 ROOT = Path(__file__).resolve().parent.parent
