@@ -389,13 +389,15 @@ def test_verify_accepts_a_pair_and_names_each_mismatch(
     assert result == 0, err
     assert out.startswith(f"ok: {step} and {cache} belong together")
     assert "signature        none (the pair was not signed)" in out
-    for name, needle in [
-        ("other", "code_hash"),
-        ("inductor", "'inductor' backend"),
-        ("garbage", "the cache cannot be read"),
+    same_call = "Pass the cache returned with this python_code by the same"
+    for name, needle, fix in [
+        ("other", "code_hash", same_call),
+        ("inductor", "'inductor' backend", same_call),
+        ("garbage", "the cache cannot be read", "write the pair again"),
     ]:
         result, _, err = _cli(capsys, "verify", step, str(tmp_path / f"{name}.cache"))
         _assert_one_line_error(result, err, "verify", 1, needle)
+        assert fix in err, err
 
 
 def test_verify_checks_the_signature_with_a_key(
@@ -460,8 +462,10 @@ def test_verify_checks_the_kernel_binaries_digests(
     assert "kernel binaries  none: load compiles the kernels from source" in out
     result, _, err = _cli(capsys, "verify", step, str(tmp_path / "damaged.cache"))
     _assert_one_line_error(result, err, "verify", 1, "does not match its sha256")
+    assert "Write the pair again with precompile()" in err
     result, _, err = _cli(capsys, "verify", step, str(tmp_path / "escaping.cache"))
     _assert_one_line_error(result, err, "verify", 1, "unexpected file")
+    assert "Write the pair again with precompile()" in err
 
 
 # --- diff -------------------------------------------------------------------------

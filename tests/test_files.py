@@ -142,18 +142,54 @@ def _never_traced(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("artifact", "cache", "problem"),
+    ("artifact", "cache", "argument", "problem", "fix"),
     [
-        ("missing/step.py", "step.cache", "folder that does not exist"),
-        ("step.py", "missing/step.cache", "folder that does not exist"),
-        (".", "step.cache", "is a folder"),
-        ("step.py", ".", "is a folder"),
+        (
+            "missing/step.py",
+            "step.cache",
+            "artifact_path",
+            "in a folder that does not exist",
+            "create it first, e.g. with os.makedirs(",
+        ),
+        (
+            "step.py",
+            "missing/step.cache",
+            "cache_path",
+            "in a folder that does not exist",
+            "create it first, e.g. with os.makedirs(",
+        ),
+        (".", "step.cache", "artifact_path", "is a folder", "step.py'"),
+        ("step.py", ".", "cache_path", "is a folder", "step.cache'"),
+        (
+            "step.py",
+            "read-only/step.cache",
+            "cache_path",
+            "cannot write to",
+            "pass a path in a writable folder",
+        ),
     ],
 )
 def test_precompile_checks_the_paths_before_capture(
-    tmp_path: Path, artifact: str, cache: str, problem: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    artifact: str,
+    cache: str,
+    argument: str,
+    problem: str,
+    fix: str,
 ) -> None:
-    with pytest.raises(ValueError, match=problem) as info:
+    if problem == "cannot write to":
+        # Permissions do not bind every user (root writes anywhere), so the access
+        # check answers "not writable" for the cache's folder instead.
+        read_only = tmp_path / cache
+        read_only.parent.mkdir()
+        real_access = os.access
+
+        def access(path: Any, mode: int) -> bool:
+            return path != read_only.parent and real_access(path, mode)
+
+        monkeypatch.setattr(files.os, "access", access)
+    with pytest.raises(ValueError) as info:
         pg.precompile(
             _never_traced,
             linear_model(),
@@ -162,8 +198,10 @@ def test_precompile_checks_the_paths_before_capture(
             artifact_path=tmp_path / artifact,
             cache_path=tmp_path / cache,
         )
-    assert "_path" in str(info.value)  # names the argument
-    assert list(tmp_path.iterdir()) == []
+    message = str(info.value)
+    assert message.startswith(f"{argument} "), message  # names the argument
+    assert problem in message and fix in message, message
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
 def test_load_names_a_missing_file(pairs: list[Pair], tmp_path: Path) -> None:
@@ -213,8 +251,50 @@ def test_a_failed_write_leaves_the_previous_pair_and_no_temporary_file(
     message = str(info.value)
     assert "No space left on device" in message
     assert "The files already there are unchanged." in message
+    assert "Free space or fix the folder's permissions" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step.cache", "step.py"]
     _assert_runs_like(0, pg.load(artifact, cache))
+
+
+@pytest.mark.parametrize(
+    ("failing_fsync", "outcome", "artifact_index"),
+    [
+        # Syncing the folder after the cache's rename: a mixed pair.
+        (3, "The cache is the new one but the artifact is not", 0),
+        # Syncing it after the artifact's rename: the new pair, maybe not durable.
+        (4, "Both files are written, but may not survive a power loss", 1),
+    ],
+)
+def test_a_failed_folder_sync_says_which_files_changed(
+    pairs: list[Pair],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    failing_fsync: int,
+    outcome: str,
+    artifact_index: int,
+) -> None:
+    artifact, cache = tmp_path / "step.py", tmp_path / "step.cache"
+    files.write_pair(artifact, cache, pairs[0].code, pairs[0].cache)
+    calls: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync_fails(descriptor: int) -> None:
+        calls.append(descriptor)
+        if len(calls) == failing_fsync:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(files.os, "fsync", fsync_fails)
+    with pytest.raises(pg.PrecompileError) as info:
+        files.write_pair(artifact, cache, pairs[1].code, pairs[1].cache)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert "Input/output error" in message and outcome in message, message
+    assert "write the pair again" in message
+    # What the message says is what is on disk, with no temporary file left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step.cache", "step.py"]
+    assert artifact.read_text(encoding="utf-8") == pairs[artifact_index].code
+    assert cache.read_bytes() == pairs[1].cache
 
 
 def test_a_crash_between_the_renames_leaves_a_pair_that_load_refuses(
