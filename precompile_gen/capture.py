@@ -106,6 +106,7 @@ class TracedGraph:
     fn_name: str
     module_positions: list[int]
     num_positional_args: int
+    module_training: list[list[bool]]
     state: ModuleState
     grad_param_indices: list[int]
     in_spec: pytree.TreeSpec
@@ -159,6 +160,9 @@ def trace(
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
     modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
+    # Read before tracing: fn may switch modes itself, and the driver checks the
+    # modes a call arrives with.
+    module_training = [[m.training for m in module.modules()] for module in modules]
     state = lift_module_state(modules)
     user_inputs = tuple(
         a for i, a in enumerate(example_inputs) if i not in module_positions
@@ -224,6 +228,7 @@ def trace(
         fn_name=fn_name,
         module_positions=module_positions,
         num_positional_args=len(example_inputs),
+        module_training=module_training,
         state=state,
         grad_param_indices=harvest["grad_param_indices"],
         in_spec=in_spec,

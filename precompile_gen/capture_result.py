@@ -25,6 +25,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "BACKEND",
     "MODULE_POSITIONS",
     "NUM_POSITIONAL_ARGS",
+    "MODULE_TRAINING",
     "PARAM_NAMES",
     "BUFFER_NAMES",
     "PARAM_SHAPES",
@@ -65,6 +66,10 @@ class CaptureResult:
     # Calling convention, emitted as the artifact's metadata constants.
     module_positions: list[int]
     num_positional_args: int
+    # Per module argument, the ``training`` flag of each of its ``modules()`` (itself
+    # first) at the call: the trace took the branches of that mode (batch statistics
+    # or running ones, dropout or none), so the driver holds the runtime model to it.
+    module_training: list[list[bool]]
     param_names: list[str]
     buffer_names: list[str]
     param_shapes: list[tuple[int, ...]]

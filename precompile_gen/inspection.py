@@ -143,11 +143,12 @@ def format_report(report: dict[str, Any]) -> str:
     out.append("modules")
     out.extend(
         _table(
-            ["argument", "names", "parameters", "buffers", "elements"],
+            ["argument", "names", "mode", "parameters", "buffers", "elements"],
             [
                 [
                     f"arg{m['position']}",
                     f"{m['prefix']}*",
+                    str(m["mode"]),
                     str(m["parameters"]),
                     str(m["buffers"]),
                     f"{m['elements']:,}",
@@ -273,6 +274,7 @@ def _signature(fn_name: str, num_args: int, module_positions: list[int]) -> str:
 
 def _modules(metadata: dict[str, object]) -> list[dict[str, object]]:
     positions = cast(list[int], metadata["MODULE_POSITIONS"])
+    modes = cast(list[list[bool]], metadata["MODULE_TRAINING"])
     state = _module_state(metadata)
     modules: list[dict[str, object]] = []
     for index, position in enumerate(positions):
@@ -282,12 +284,25 @@ def _modules(metadata: dict[str, object]) -> list[dict[str, object]]:
             {
                 "position": position,
                 "prefix": prefix,
+                "mode": _mode(modes[index] if index < len(modes) else []),
                 "parameters": sum(s["kind"] == "parameter" for s in mine),
                 "buffers": sum(s["kind"] == "buffer" for s in mine),
                 "elements": sum(_elements(cast(list[int], s["shape"])) for s in mine),
             }
         )
     return modules
+
+
+def _mode(training: list[bool]) -> str:
+    """The mode the module and its submodules were traced in."""
+    in_training = sum(flag is True for flag in training)
+    if not training:
+        return "unknown"
+    if in_training == len(training):
+        return "training"
+    if in_training == 0:
+        return "eval"
+    return f"mixed ({in_training} of {len(training)} modules training)"
 
 
 # The aligned per-tensor constants shown in their own columns; the first is the names.

@@ -47,6 +47,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         fn_name=traced.fn_name,
         module_positions=traced.module_positions,
         num_positional_args=traced.num_positional_args,
+        module_training=traced.module_training,
         param_names=state.param_names,
         buffer_names=state.buffer_names,
         param_shapes=[tuple(t.shape) for t in params],

@@ -53,6 +53,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         fn_name="train_step",
         module_positions=[0],
         num_positional_args=2,
+        module_training=[[True]],
         param_names=["weight"],
         buffer_names=["running_mean"],
         param_shapes=[(4, 4)],

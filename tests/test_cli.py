@@ -292,6 +292,23 @@ def test_inspect_reports_harvested_grads_and_inductor_kernels() -> None:
     assert inductor["graph"]["extern_kernel_calls"]
 
 
+def test_inspect_shows_the_mode_each_module_was_traced_in() -> None:
+    text = _golden("eager_multi_module")
+    assert [m["mode"] for m in inspect_artifact(text)["modules"]] == ["training"] * 2
+    traced = "MODULE_TRAINING: list[list[bool]] = [[True, True, True, True], [True]]"
+    assert traced in text
+    edited = text.replace(
+        traced,
+        "MODULE_TRAINING: list[list[bool]] = [[True, False, True, True], [False]]",
+    )
+    report = inspect_artifact(edited)
+    assert [m["mode"] for m in report["modules"]] == [
+        "mixed (3 of 4 modules training)",
+        "eval",
+    ]
+    assert re.search(r"arg2\s+m1\.\*\s+eval\s+2\s+0\s+21", format_report(report))
+
+
 def test_inspect_counts_kernels_by_kind_from_code_not_strings() -> None:
     graph = '''\
 r"""

@@ -78,6 +78,8 @@ def inductor_inference() -> pg.CaptureResult:
         fn_name="predict",
         module_positions=[0],
         num_positional_args=2,
+        # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
+        module_training=[[True] * 4],
         param_names=["0.weight", "0.bias", "2.weight", "2.bias"],
         buffer_names=[],
         param_shapes=[(8, 4), (8,), (2, 8), (2,)],

@@ -164,6 +164,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BACKEND": "eager",
         "MODULE_POSITIONS": [1],
         "NUM_POSITIONAL_ARGS": 3,
+        # Net, lin and bn, all in training mode as constructed.
+        "MODULE_TRAINING": [[True, True, True]],
         "PARAM_NAMES": ["lin.weight", "lin.bias", "bn.weight", "bn.bias"],
         "BUFFER_NAMES": ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"],
         "PARAM_SHAPES": [(3, 4), (3,), (3,), (3,)],
@@ -192,6 +194,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BACKEND",
         "MODULE_POSITIONS",
         "NUM_POSITIONAL_ARGS",
+        "MODULE_TRAINING",
         "PARAM_NAMES",
         "BUFFER_NAMES",
         "PARAM_SHAPES",

@@ -281,6 +281,24 @@ CHANGES: dict[str, tuple[Callable[[Net], object], list[str]]] = {
         lambda m: cast(torch.Tensor, m.bn.running_mean).requires_grad_(True),
         ["'bn.running_mean' has requires_grad=True", "had False"],
     ),
+    # The graph took the training-mode branches: BatchNorm's batch statistics and
+    # running-stat updates. An eval-mode model would silently get them too.
+    "model.eval()": (
+        lambda m: m.eval(),
+        [
+            "the model (Net) is in eval mode",
+            "in training mode when the function was traced",
+            "with .train()",
+        ],
+    ),
+    "one submodule in eval mode": (
+        lambda m: m.bn.eval(),
+        ["module 'bn' (BatchNorm1d) is in eval mode", "with .train()"],
+    ),
+    "module without parameters added": (
+        lambda m: setattr(m, "act", nn.ReLU()),
+        ["the model has 5 modules", "the traced one had 4"],
+    ),
 }
 
 
@@ -306,6 +324,41 @@ def test_rejected_change_undone_runs_again(
     # Only the rejected call ran the full check: undone, the change leaves the model
     # exactly as the full check last found it.
     assert len(full_checks) == 1
+
+
+def test_mode_switched_back_runs_again(
+    forward: Forward, model: Net, full_checks: list[int]
+) -> None:
+    twin = clone_with_grads(model)
+    model.eval()
+    assert_call_rejected(forward, model, *batch(2), match=["is in eval mode"])
+    model.train()
+    run_both(forward, model, twin, 2)
+    run_both(forward, model, twin, 3)
+    # As for any undone change: back in its mode, the model is as last remembered.
+    assert len(full_checks) == 1
+
+
+def test_a_capture_with_mixed_modes_holds_the_model_to_them() -> None:
+    # Fine-tuning with frozen BatchNorm statistics: the model trains, bn is in eval.
+    torch.manual_seed(0)
+    model = Net()
+    model.bn.eval()
+    step = pg.load(*pg.precompile(train_step, model, *batch(0), backend="eager"))
+    twin = clone_with_grads(model)
+    for seed in (1, 2):
+        run_both(step, model, twin, seed)
+    model.train()
+    assert_call_rejected(
+        step,
+        model,
+        *batch(3),
+        match=[
+            "module 'bn' (BatchNorm1d) is in training mode",
+            "in eval mode when the function was traced",
+            "with .eval()",
+        ],
+    )
 
 
 def test_changed_layout(

@@ -168,6 +168,7 @@ def hand_built_capture() -> pg.CaptureResult:
         fn_name="hand_built",
         module_positions=[0, 2],
         num_positional_args=3,
+        module_training=[[True], [False, True]],
         param_names=["m0.w\u00e9ight", "m1.bias"],
         param_shapes=[(4, 4), (4,)],
         param_dtypes=["torch.float32", "torch.bfloat16"],

@@ -14,8 +14,8 @@
 #
 # The contract in brief:
 # - The runtime model must have the traced model's structure: the same parameter and
-#   buffer names, order, tying, shapes, dtypes, devices and requires_grad flags. Only
-#   values may differ.
+#   buffer names, order, tying, shapes, dtypes, devices and requires_grad flags, and
+#   each module in the same train/eval mode. Only values may differ.
 # - Control flow and shapes are specialised to the example inputs; each input must have
 #   the example's structure, shape, dtype and device.
 # - If the traced function ran a backward, each call adds the parameter gradients to
@@ -82,6 +82,9 @@ BACKEND: str = "eager"
 # Positions of the nn.Module arguments among the traced function's arguments.
 MODULE_POSITIONS: list[int] = [0]
 NUM_POSITIONAL_ARGS: int = 2
+# Per module argument: the `training` flag of each of its modules() at the traced call
+# (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
+MODULE_TRAINING: list[list[bool]] = [[True, True, True, True]]
 # All modules' parameters, then all modules' buffers, in named_parameters() /
 # named_buffers() order, each tensor once (a tied weight appears under its first name).
 # With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
@@ -414,6 +417,9 @@ def _check_module_state(
                 "graph computes was fixed by it. Set it back with "
                 f".requires_grad_({requires_grad}), or capture again with this setting."
             )
+    for index, (module, traced_modes) in enumerate(zip(modules, MODULE_TRAINING)):
+        if [m.training for m in module.modules()] != traced_modes:
+            _fail(_describe_mode_difference(index, module, traced_modes))
 
 
 def _describe_state_difference(modules: list[torch.nn.Module], names: list[str]) -> str:
@@ -456,6 +462,37 @@ def _describe_state_difference(modules: list[torch.nn.Module], names: list[str])
     return "; ".join(problems)
 
 
+def _describe_mode_difference(
+    index: int, module: torch.nn.Module, traced_modes: list[bool]
+) -> str:
+    # Error path only: name the first module whose mode differs.
+    prefix = f"m{index}" if len(MODULE_POSITIONS) > 1 else ""
+    named = list(module.named_modules())
+    if len(named) != len(traced_modes):
+        owner = f"module {prefix!r}" if prefix else "the model"
+        return (
+            f"{owner} has {len(named)} modules (itself and its submodules), but the "
+            f"traced one had {len(traced_modes)}: a module without parameters or "
+            "buffers was added or removed. Pass a model of the traced architecture, "
+            "or capture again with this model."
+        )
+    name, submodule, was_training = next(
+        (name, m, was)
+        for (name, m), was in zip(named, traced_modes)
+        if m.training != was
+    )
+    qualified = ".".join(part for part in (prefix, name) if part)
+    subject = f"module {qualified!r}" if qualified else "the model"
+    now, then = ("eval", "training") if was_training else ("training", "eval")
+    return (
+        f"{subject} ({type(submodule).__name__}) is in {now} mode, but it was in "
+        f"{then} mode when the function was traced, and the graph took that mode's "
+        "branches (batch or running statistics, dropout or none). Put it back in "
+        f"{then} mode with .{'train' if was_training else 'eval'}(), or capture "
+        f"again with it in {now} mode."
+    )
+
+
 # --- The fast path for an unchanged model ------------------------------------------
 # The full check of the model walks every module and compares every tensor, which
 # costs more than a small graph's run. So what it established is remembered with
@@ -463,13 +500,15 @@ def _describe_state_difference(modules: list[torch.nn.Module], names: list[str])
 # dicts unchanged (setting, replacing or deleting a parameter, buffer or submodule
 # changes its dict's version tag); and each tensor's type, dtype, device, shape,
 # strides and requires_grad as they were (``.to()``, ``.data = ...`` and
-# ``requires_grad_()`` change those in place). Both signals are read by torch's C++
-# guard primitives. A call that any signal fails gets the full check again.
+# ``requires_grad_()`` change those in place), read by torch's C++ guard primitives;
+# and each module's ``training`` flag as it was. A call that any signal fails gets the
+# full check again.
 
 # The members the full check enumerates are exactly those in these dicts.
 _MEMBER_DICTS = attrgetter("_parameters", "_buffers", "_modules")
 # ... as long as no module overrides how nn.Module enumerates them.
 _ENUMERATORS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
+_TRAINING = attrgetter("training")
 
 
 def _guard_primitives() -> tuple[Any, Any] | None:
@@ -517,6 +556,7 @@ class _Remembered:
         self.descendants = descendants
         self.tensors = tensors
         self.versions = self.member_versions(modules)
+        self.modes = self.training_modes(modules)
         self.tensor_guard = tensor_guards(
             *tensors,
             dynamic_dims_sizes=[list(t.shape) for t in tensors],
@@ -528,14 +568,19 @@ class _Remembered:
         dicts = chain.from_iterable(map(_MEMBER_DICTS, everything))
         return list(map(self.dict_version, dicts))
 
+    def training_modes(self, modules: list[torch.nn.Module]) -> list[bool]:
+        return list(map(_TRAINING, chain(modules, self.descendants)))
+
     def holds_for(self, modules: list[torch.nn.Module]) -> bool:
         if len(modules) != len(self.module_refs):
             return False
         for ref, module in zip(self.module_refs, modules):
             if ref() is not module:
                 return False
-        return self.member_versions(modules) == self.versions and bool(
-            self.tensor_guard.check(*self.tensors)
+        return (
+            self.member_versions(modules) == self.versions
+            and self.training_modes(modules) == self.modes
+            and bool(self.tensor_guard.check(*self.tensors))
         )
 
 
