@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from precompile_gen import dynamic_dims, kernel_binaries, timings
+from precompile_gen import dynamic_dims, grad_resets, kernel_binaries, timings
 from precompile_gen.capture_result import (
     BACKENDS,
     Backend,
@@ -109,6 +109,7 @@ class TracedGraph:
     module_training: list[list[bool]]
     state: ModuleState
     grad_param_indices: list[int]
+    grad_resets: list[tuple[int, bool]]
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     user_input_shapes: list[Shape | None]
@@ -179,12 +180,17 @@ def trace(
         flat_args = [_copy_for_trace(t) for t in [*state.tensors, *user_leaves]]
     else:
         flat_args = symbolic.flat_args
-    num_state = len(state.tensors)
+    num_state, num_params = len(state.tensors), state.num_params
     harvest: dict[str, Any] = {}
+    resets: grad_resets.Resets = {}
 
     def flat_fn(flat: list[Any]) -> list[object]:
         inputs = pytree.tree_unflatten(flat[num_state:], in_spec)
-        with _reparametrized(modules, state, flat[:num_state]):
+        params = state.tensors[:num_params], flat[:num_params]
+        with (
+            _reparametrized(modules, state, flat[:num_state]),
+            grad_resets.recording(*params, resets),
+        ):
             args = _interleave(example_inputs, module_positions, inputs)
             result = fn(*args)
         grads = [p.grad for p in flat[: state.num_params]]
@@ -231,6 +237,7 @@ def trace(
         module_training=module_training,
         state=state,
         grad_param_indices=harvest["grad_param_indices"],
+        grad_resets=sorted(resets.items()),
         in_spec=in_spec,
         out_spec=harvest["out_spec"],
         user_input_shapes=[

@@ -39,6 +39,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "PARAM_REQUIRES_GRAD",
     "BUFFER_REQUIRES_GRAD",
     "GRAD_PARAM_INDICES",
+    "GRAD_RESETS",
     "IN_SPEC",
     "OUT_SPEC",
     "USER_INPUT_SHAPES",
@@ -86,6 +87,10 @@ class CaptureResult:
     param_requires_grad: list[bool]
     buffer_requires_grad: list[bool]
     grad_param_indices: list[int]
+    # (parameter index, set_to_none) for each parameter whose ``.grad`` the function
+    # reset with zero_grad(): the driver resets the runtime model's the same way
+    # before adding the harvested gradients, as the eager call would have.
+    grad_resets: list[tuple[int, bool]]
     # ``treespec_dumps`` of the user inputs, or None when that spec cannot be
     # serialised (the driver then skips the structure check).
     in_spec: str | None

@@ -95,7 +95,7 @@ def _inspect(args: argparse.Namespace) -> int:
     text = _read_artifact(args.artifact)
     try:
         report = inspect_artifact(text, args.artifact)
-    except (TypeError, IndexError, KeyError, AttributeError) as error:
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as error:
         # parse_metadata checks that each constant is a literal, not its type or
         # length; an edited artifact can break the assumptions made here.
         raise CommandError(

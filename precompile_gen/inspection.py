@@ -312,6 +312,7 @@ _INPUT_CONSTANTS = ("SHAPES", "DTYPES", "DEVICES", "BOUNDS", "STRIDES", "SYMBOLS
 
 def _module_state(metadata: dict[str, object]) -> list[dict[str, object]]:
     grads = set(cast(list[int], metadata["GRAD_PARAM_INDICES"]))
+    resets = dict(cast(list[tuple[int, bool]], metadata["GRAD_RESETS"]))
     state: list[dict[str, object]] = []
     for kind, prefix in (("parameter", "PARAM"), ("buffer", "BUFFER")):
         names = cast(list[str], metadata[f"{prefix}_NAMES"])
@@ -330,9 +331,17 @@ def _module_state(metadata: dict[str, object]) -> list[dict[str, object]]:
             }
             entry.update(_extra_columns(metadata, prefix, _STATE_CONSTANTS, index))
             if kind == "parameter":
-                entry["grad"] = "harvested" if index in grads else "no"
+                entry["grad"] = _grad(index in grads, resets.get(index))
             state.append(entry)
     return state
+
+
+def _grad(harvested: bool, reset_to_none: bool | None) -> str:
+    """What each call does to a parameter's ``.grad``."""
+    if reset_to_none is None:
+        return "harvested" if harvested else "no"
+    reset = "set to None" if reset_to_none else "zeroed"
+    return f"{reset}, then harvested" if harvested else reset
 
 
 def _extra_columns(

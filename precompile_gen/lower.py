@@ -61,6 +61,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         param_requires_grad=[t.requires_grad for t in params],
         buffer_requires_grad=[t.requires_grad for t in buffers],
         grad_param_indices=traced.grad_param_indices,
+        grad_resets=traced.grad_resets,
         in_spec=in_spec,
         out_spec=out_spec,
         user_input_shapes=traced.user_input_shapes,

@@ -67,6 +67,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         param_requires_grad=[True],
         buffer_requires_grad=[False],
         grad_param_indices=[0],
+        grad_resets=[(0, True)],
         in_spec=_INPUT_SPEC,
         out_spec=_FLAT_SPEC,
         user_input_shapes=[(None, 4)],

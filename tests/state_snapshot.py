@@ -4,13 +4,17 @@ the tests' check that a rejected capture or call leaves the model, its buffers, 
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,13 @@ def assert_same_state(actual: nn.Module, expected: nn.Module) -> None:
             torch.testing.assert_close(
                 got[name].grad, want[name].grad, msg=f"{name}.grad"
             )
+
+
+def clone_with_grads(model: ModuleT) -> ModuleT:
+    """A deep copy with copies of the ``.grad`` fields, which deepcopy leaves out."""
+    clone = copy.deepcopy(model)
+    originals = dict(model.named_parameters())
+    for name, param in clone.named_parameters():
+        grad = originals[name].grad
+        param.grad = None if grad is None else grad.clone()
+    return clone

@@ -5,7 +5,6 @@ exactly as they were (values, ``.grad`` objects, version counters)."""
 from __future__ import annotations
 
 import collections
-import copy
 import inspect
 import itertools
 from collections.abc import Callable, Iterable
@@ -14,7 +13,7 @@ from typing import cast
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from state_snapshot import StateSnapshot, assert_same_state
+from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
 from torch import nn
 from torch._dynamo.decorators import mark_dynamic, mark_unbacked
 
@@ -322,16 +321,6 @@ def test_unserialisable_input_spec_degrades_to_no_structure_check(
     forward = pg.load(python_code, cache)
     torch.testing.assert_close(forward(model, batch), expected)
     assert_same_state(model, expected_model)
-
-
-def clone_with_grads(model: nn.Module) -> nn.Module:
-    # deepcopy does not copy a Parameter's .grad.
-    clone = copy.deepcopy(model)
-    originals = dict(model.named_parameters())
-    for name, param in clone.named_parameters():
-        grad = originals[name].grad
-        param.grad = None if grad is None else grad.clone()
-    return clone
 
 
 # --- arguments of precompile itself -------------------------------------------------

@@ -226,9 +226,12 @@ def test_errors_are_one_line_with_a_non_zero_exit(
     missing = str(tmp_path / "missing.cache")
     edited = _with_constant(code, "PARAM_SHAPES", "[7]")
     edited_step, _ = _pair(tmp_path, "edited", edited, b"")
+    resets = _with_constant(code, "GRAD_RESETS", "[(0, True, 1)]")
+    resets_step, _ = _pair(tmp_path, "resets", resets, b"")
     cases = [
         (["inspect", "tests/fixtures/inductor_mlp_graph.txt"], "not a precompile_gen"),
         (["inspect", edited_step], "unexpected types or lengths"),
+        (["inspect", resets_step], "unexpected types or lengths"),
         (["inspect", cache], "is not UTF-8 text"),
         (["verify", step, missing], "does not exist"),
         (["verify", cache, step], "is not UTF-8 text"),

@@ -93,6 +93,7 @@ def inductor_inference() -> pg.CaptureResult:
         param_requires_grad=[True] * 4,
         buffer_requires_grad=[],
         grad_param_indices=[],
+        grad_resets=[],
         in_spec=(
             '[1, {"type": "builtins.tuple", "context": "null", "children_spec": '
             f"[{_LEAF}]}}]"

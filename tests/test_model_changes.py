@@ -17,17 +17,17 @@ from typing import cast
 
 import pytest
 import torch
+from state_snapshot import clone_with_grads
 from torch import nn
 
 import precompile_gen as pg
 
 Forward = Callable[..., object]
 
-# The runtime-error tests' helpers: a call rejected with a given message, and with
-# everything it was passed untouched; a model copy with its gradients.
+# The runtime-error tests' helper: a call rejected with a given message, and with
+# everything it was passed untouched.
 _runtime_errors = importlib.import_module("test_runtime_errors")
 assert_call_rejected = _runtime_errors.assert_call_rejected
-clone_with_grads = _runtime_errors.clone_with_grads
 
 
 class Net(nn.Module):

@@ -5,7 +5,6 @@ model's parameters, buffers and ``.grad`` fields exactly as they were."""
 from __future__ import annotations
 
 import collections
-import copy
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ from typing import TypedDict
 
 import pytest
 import torch
-from state_snapshot import StateSnapshot, assert_same_state
+from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
 from torch import nn
 
 import precompile_gen as pg
@@ -98,16 +97,6 @@ def make_model(cls: Callable[[], nn.Module] = Net) -> nn.Module:
     model = cls()
     train_step(model, make_batch(), 0.5)
     return model
-
-
-def clone_with_grads(model: nn.Module) -> nn.Module:
-    # deepcopy does not copy a Parameter's .grad.
-    clone = copy.deepcopy(model)
-    originals = dict(model.named_parameters())
-    for name, param in clone.named_parameters():
-        grad = originals[name].grad
-        param.grad = None if grad is None else grad.clone()
-    return clone
 
 
 def assert_call_rejected(

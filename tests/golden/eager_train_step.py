@@ -134,6 +134,9 @@ PARAM_REQUIRES_GRAD: list[bool] = [True, True, True, True]
 BUFFER_REQUIRES_GRAD: list[bool] = []
 # The k-th trailing gradient output of `call` belongs to PARAM_NAMES[GRAD_PARAM_INDICES[k]].
 GRAD_PARAM_INDICES: list[int] = [0, 1, 2, 3]
+# (index into PARAM_NAMES, set_to_none) for each parameter whose .grad the function
+# reset with zero_grad(); each call resets them so before adding the gradients.
+GRAD_RESETS: list[tuple[int, bool]] = []
 # Pytree specs (treespec_dumps) of the non-module arguments and of the result. IN_SPEC
 # is None when the input structure could not be serialised; it is then not checked.
 IN_SPEC: str | None = (
@@ -653,9 +656,27 @@ def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
         _remembered = None
 
 
+def _reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
+    # What zero_grad(set_to_none) does to one parameter.
+    grad = param.grad
+    if grad is None:
+        return
+    if set_to_none:
+        param.grad = None
+        return
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()
+
+
 def _finish(tensors: list[torch.Tensor], flat_outputs: list[object]) -> object:
-    """Add the trailing gradient outputs to the parameters' ``.grad`` as eager
-    ``.backward()`` would, then rebuild the function's own result."""
+    """Reset the gradients the function's zero_grad() reset, add the trailing gradient
+    outputs to the parameters' ``.grad`` as eager ``.backward()`` would, then rebuild
+    the function's own result."""
+    for index, set_to_none in GRAD_RESETS:
+        _reset_grad(tensors[index], set_to_none)
     num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
     accumulate_into: list[torch.Tensor] = []
     increments: list[torch.Tensor] = []
