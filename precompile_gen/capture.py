@@ -188,6 +188,7 @@ def trace(
         inputs = pytree.tree_unflatten(flat[num_state:], in_spec)
         params = state.tensors[:num_params], flat[:num_params]
         with (
+            _modes_restored(modules, module_training),
             _reparametrized(modules, state, flat[:num_state]),
             grad_resets.recording(*params, resets),
         ):
@@ -286,6 +287,39 @@ def _reparametrized(
                 stateless._reparametrize_module(module, mapping, tie_weights=True)
             )
         yield
+
+
+@contextlib.contextmanager
+def _modes_restored(
+    modules: list[torch.nn.Module], module_training: list[list[bool]]
+) -> Generator[None]:
+    """Put every module back in the mode it was in before ``fn`` ran; refuse a
+    function that switched one: the artifact cannot switch the runtime model."""
+    try:
+        yield
+    finally:
+        switched: tuple[str, torch.nn.Module, bool] | None = None
+        for index, module in enumerate(modules):
+            # fn may have added or removed submodules; those it kept are compared.
+            named = zip(module.named_modules(), module_training[index], strict=False)
+            for (name, submodule), was_training in named:
+                if submodule.training != was_training:
+                    if switched is None:
+                        prefix = f"m{index}" if len(modules) > 1 else ""
+                        qualified = ".".join(p for p in (prefix, name) if p)
+                        switched = (qualified, submodule, was_training)
+                    submodule.training = was_training
+    if switched is not None:
+        name, submodule, was_training = switched
+        before, after = ("training", "eval") if was_training else ("eval", "training")
+        subject = f"module {name!r}" if name else "the model"
+        raise PrecompileError(
+            f"the function switches {subject} ({type(submodule).__name__}) from "
+            f"{before} to {after} mode (a .train() or .eval() call inside it), which "
+            "the artifact cannot replay on the runtime model. Put the model in "
+            f"{after} mode before precompiling and before each call instead, and "
+            "remove the switch from the function."
+        )
 
 
 def _interleave(

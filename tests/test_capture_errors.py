@@ -231,6 +231,61 @@ def test_effectful_op(model: nn.Module, x: torch.Tensor) -> None:
     )
 
 
+def _modes(model: nn.Module) -> list[bool]:
+    return [m.training for m in model.modules()]
+
+
+def test_mode_switch_inside_fn(model: nn.Module, x: torch.Tensor) -> None:
+    def step_in_train_mode(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        cast(Net, model).bn.train()
+        return train_step(model, x)
+
+    model.eval()
+    assert_capture_rejected(
+        step_in_train_mode,
+        model,
+        x,
+        match=[
+            "switches module 'bn' (BatchNorm1d) from eval to training mode",
+            "Put the model in training mode before precompiling and before each call",
+        ],
+    )
+    assert _modes(model) == [False] * 4
+
+
+def test_mode_switch_before_fn_raises(model: nn.Module, x: torch.Tensor) -> None:
+    def switching_then_failing(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.eval()
+        raise ValueError("boom after eval()")
+
+    assert_capture_rejected(
+        switching_then_failing, model, x, match=["ValueError", "boom after eval()"]
+    )
+    assert _modes(model) == [True] * 4
+
+
+def test_mode_switched_and_back_inside_fn_is_captured(
+    model: nn.Module, x: torch.Tensor
+) -> None:
+    # Evaluate, then train: the trace follows both phases, and the model ends in the
+    # mode it started in, so there is nothing to replay.
+    def evaluate_then_train(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.eval()
+        with torch.no_grad():
+            score = model(x).sum()
+        model.train()
+        return train_step(model, x) + score
+
+    expected_model = clone_with_grads(model)
+    forward = pg.load(*pg.precompile(evaluate_then_train, model, x, backend="eager"))
+    assert _modes(model) == [True] * 4
+    runtime_model = clone_with_grads(model)
+    torch.testing.assert_close(
+        forward(runtime_model, x), evaluate_then_train(expected_model, x)
+    )
+    assert_same_state(runtime_model, expected_model)
+
+
 # --- dynamic-shape marks -----------------------------------------------------------
 
 
