@@ -42,6 +42,11 @@ def make_bn_mlp(seed: int) -> nn.Sequential:
     return model.train()
 
 
+def make_dropout_mlp(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 3)).train()
+
+
 class TiedLM(nn.Module):
     """An embedding whose weight is also the output projection's weight."""
 
@@ -380,6 +385,33 @@ def test_render_of_capture_is_precompile_text(
     assert pg.render_artifact(cap) == text
     assert pg.parse_metadata(text) == cap.metadata()
     assert text == mlp_predict.python_code
+
+
+@pytest.fixture(scope="module")
+def dropout_train(backend: str) -> Compiled:
+    args = (make_dropout_mlp(0), randn(16, 8, seed=1), randn(16, 3, seed=2))
+    return compile_case(backend, train_step, *args)
+
+
+def test_dropout_draws_from_the_global_generator_like_eager(
+    dropout_train: Compiled,
+) -> None:
+    # Under the same seed the artifact draws the same masks as eager; each call
+    # draws new ones (no mask is baked into the artifact).
+    eager_args = copy.deepcopy(dropout_train.args)
+    artifact_args = copy.deepcopy(dropout_train.args)
+    losses: list[torch.Tensor] = []
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        expected = dropout_train.fn(*eager_args)
+        torch.manual_seed(seed)
+        actual = dropout_train.artifact(*artifact_args)
+        assert isinstance(actual, torch.Tensor)
+        torch.testing.assert_close(actual, expected)
+        losses.append(actual)
+    side = SideBySide(None, eager_args, None, artifact_args)
+    assert_grads_match(side)
+    assert not torch.equal(losses[0], losses[1])
 
 
 def test_precompile_leaves_example_model_untouched(backend: str) -> None:
