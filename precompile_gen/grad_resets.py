@@ -31,7 +31,8 @@ Resets = dict[int, bool]
 
 
 def reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
-    """What ``zero_grad(set_to_none)`` does to one parameter."""
+    """What ``zero_grad(set_to_none)`` does to one parameter. (The artifact's driver
+    has its own copy: it runs without precompile_gen.)"""
     grad = param.grad
     if grad is None:
         return
