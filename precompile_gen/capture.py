@@ -5,7 +5,8 @@ functional reparametrisation, so the graph takes ``[*params, *buffers, *user_lea
 and nothing live is baked in. If ``fn`` runs a backward, the parameters' gradients are
 harvested as extra trailing outputs. The trace runs on copies of the example tensors
 (fake ones when an input has a mark_unbacked dim): capture never changes the example
-model, its buffers, its ``.grad`` fields or the example inputs.
+model, its buffers, its ``.grad`` fields or the example inputs; modules that ``fn``
+switches between train and eval mode are put back as they were.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def trace(
     modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
     # Read before tracing: fn may switch modes itself, and the driver checks the
     # modes a call arrives with.
-    module_training = [[m.training for m in module.modules()] for module in modules]
+    submodules = [list(module.named_modules()) for module in modules]
+    module_training = [[m.training for _, m in named] for named in submodules]
     state = lift_module_state(modules)
     user_inputs = tuple(
         a for i, a in enumerate(example_inputs) if i not in module_positions
@@ -188,13 +190,13 @@ def trace(
         inputs = pytree.tree_unflatten(flat[num_state:], in_spec)
         params = state.tensors[:num_params], flat[:num_params]
         with (
-            _modes_restored(modules, module_training),
+            _modes_restored(submodules, module_training),
             _reparametrized(modules, state, flat[:num_state]),
             grad_resets.recording(*params, resets),
         ):
             args = _interleave(example_inputs, module_positions, inputs)
             result = fn(*args)
-        grads = [p.grad for p in flat[: state.num_params]]
+        grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat, leaf_names)
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
         harvest["grad_param_indices"] = [
@@ -291,21 +293,24 @@ def _reparametrized(
 
 @contextlib.contextmanager
 def _modes_restored(
-    modules: list[torch.nn.Module], module_training: list[list[bool]]
+    submodules: list[list[tuple[str, torch.nn.Module]]],
+    module_training: list[list[bool]],
 ) -> Generator[None]:
     """Put every module back in the mode it was in before ``fn`` ran; refuse a
-    function that switched one: the artifact cannot switch the runtime model."""
+    function that switched one: the artifact cannot switch the runtime model.
+    ``submodules`` holds each module argument's ``named_modules()`` as they were
+    before ``fn`` ran, aligned with ``module_training``."""
     try:
         yield
     finally:
         switched: tuple[str, torch.nn.Module, bool] | None = None
-        for index, module in enumerate(modules):
-            # fn may have added or removed submodules; those it kept are compared.
-            named = zip(module.named_modules(), module_training[index], strict=False)
-            for (name, submodule), was_training in named:
+        for index, named in enumerate(submodules):
+            for (name, submodule), was_training in zip(
+                named, module_training[index], strict=True
+            ):
                 if submodule.training != was_training:
                     if switched is None:
-                        prefix = f"m{index}" if len(modules) > 1 else ""
+                        prefix = f"m{index}" if len(submodules) > 1 else ""
                         qualified = ".".join(p for p in (prefix, name) if p)
                         switched = (qualified, submodule, was_training)
                     submodule.training = was_training
