@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TypedDict, cast
 
 import pytest
 import torch
@@ -385,6 +385,36 @@ def test_render_of_capture_is_precompile_text(
     assert pg.render_artifact(cap) == text
     assert pg.parse_metadata(text) == cap.metadata()
     assert text == mlp_predict.python_code
+
+
+def test_parameter_gradient_hooks_run_as_in_eager(mlp_train: Compiled) -> None:
+    def hooked(model: nn.Module) -> list[str]:
+        """Clip one layer's gradient, scale another's, and log what the hooks saw."""
+        log: list[str] = []
+        layers = cast(nn.Sequential, model)
+        first, last = cast(nn.Linear, layers[0]), cast(nn.Linear, layers[2])
+        first.weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        first.weight.register_hook(lambda g: log.append(f"saw {g.abs().max():.2f}"))
+        last.weight.register_hook(lambda g: g * 0.5)
+        last.weight.register_post_accumulate_grad_hook(
+            lambda p: log.append(f"accumulated {cast(torch.Tensor, p.grad).sum():.4f}")
+        )
+        return log
+
+    eager_args = copy.deepcopy(mlp_train.args)
+    artifact_args = copy.deepcopy(mlp_train.args)
+    eager_log = hooked(module_at(eager_args, 0))
+    log = hooked(module_at(artifact_args, 0))
+    for _ in range(2):
+        expected = mlp_train.fn(*eager_args)
+        actual = mlp_train.artifact(*artifact_args)
+        torch.testing.assert_close(actual, expected)
+    assert_grads_match(SideBySide(None, eager_args, None, artifact_args))
+    # The same hooks ran as often, each on the gradient eager gave it: the logging
+    # hook saw the clipped one, the post-accumulate hook the accumulated .grad. (The
+    # order across parameters is backward's own, so only each one's is compared.)
+    assert sorted(log) == sorted(eager_log) and len(log) == 4
+    assert [line for line in log if line.startswith("saw")] == ["saw 0.01"] * 2
 
 
 @pytest.fixture(scope="module")

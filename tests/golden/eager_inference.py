@@ -136,6 +136,7 @@ USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None]
 import weakref
 from itertools import chain
 from operator import attrgetter
+from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 import torch
@@ -647,18 +648,46 @@ def _reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
     grad.zero_()
 
 
+def _run_grad_hooks(
+    hooks: dict[int, Callable[..., Any]], grad: torch.Tensor
+) -> torch.Tensor:
+    # Hooks from param.register_hook() see, and may replace, each gradient before it
+    # is added to .grad, as in eager backward (which runs them without grad mode).
+    with torch.no_grad():
+        for hook in list(hooks.values()):
+            replaced = hook(grad)
+            if replaced is not None:
+                grad = replaced
+    return grad
+
+
+def _run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    # Hooks from param.register_post_accumulate_grad_hook() run once .grad is updated.
+    hooks = param._post_accumulate_grad_hooks
+    if hooks:
+        with torch.no_grad():
+            for hook in list(hooks.values()):
+                hook(param)
+
+
 def _finish(tensors: list[torch.Tensor], flat_outputs: list[object]) -> object:
     """Reset the gradients the function's zero_grad() reset, add the trailing gradient
-    outputs to the parameters' ``.grad`` as eager ``.backward()`` would, then rebuild
-    the function's own result."""
+    outputs to the parameters' ``.grad`` as eager ``.backward()`` would (running the
+    parameters' gradient hooks), then rebuild the function's own result."""
     for index, set_to_none in GRAD_RESETS:
         _reset_grad(tensors[index], set_to_none)
     num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
     accumulate_into: list[torch.Tensor] = []
     increments: list[torch.Tensor] = []
+    post_hooked: list[torch.Tensor] = []
     for index, output in zip(GRAD_PARAM_INDICES, flat_outputs[num_results:]):
         grad = cast(torch.Tensor, output)
         param = tensors[index]
+        hooks = param._backward_hooks
+        if hooks:
+            grad = _run_grad_hooks(hooks, grad)
+        if param._post_accumulate_grad_hooks:
+            post_hooked.append(param)
         if param.grad is None:
             param.grad = grad
         else:
@@ -667,6 +696,8 @@ def _finish(tensors: list[torch.Tensor], flat_outputs: list[object]) -> object:
     if accumulate_into:
         # One call for all: a Python add_() per parameter costs more than the adds.
         torch._foreach_add_(accumulate_into, increments)
+    for param in post_hooked:
+        _run_post_accumulate_grad_hooks(param)
     return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
 
 
