@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -28,6 +29,7 @@ from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
     DimBounds,
+    LeafValue,
     Shape,
 )
 from precompile_gen.errors import PrecompileError
@@ -119,6 +121,7 @@ class TracedGraph:
     user_input_bounds: list[DimBounds | None]
     user_input_strides: list[tuple[int, ...] | None]
     user_input_symbols: list[dict[int, str] | None]
+    user_input_values: list[LeafValue | None]
 
 
 def lift_module_state(modules: list[torch.nn.Module]) -> ModuleState:
@@ -256,6 +259,7 @@ def trace(
         user_input_symbols=(
             [None] * len(user_leaves) if symbolic is None else symbolic.leaf_symbols
         ),
+        user_input_values=[_leaf_value(leaf) for leaf in user_leaves],
     )
 
 
@@ -475,6 +479,17 @@ def _reject_effectful_ops(gm: torch.fx.GraphModule) -> None:
                 "effects that must be ordered, such as printing), which cannot be "
                 "captured into a functional artifact. Move it out of the function."
             )
+
+
+def _leaf_value(leaf: object) -> LeafValue | None:
+    # The trace builds a scalar argument's value into the graph (``x * scale`` records
+    # the number), so the artifact holds each call to it. Other objects cannot be
+    # written into the artifact and compared; non-finite floats neither.
+    if type(leaf) not in (bool, int, float, str):
+        return None
+    if isinstance(leaf, float) and not math.isfinite(leaf):
+        return None
+    return cast(LeafValue, leaf)
 
 
 def _shape(leaf: object, marks: dict[int, dynamic_dims.DimMark]) -> Shape | None:

@@ -18,6 +18,8 @@ BACKENDS: tuple[Backend, ...] = ("inductor", "eager")
 Shape = tuple[int | None, ...]
 # Per marked dim: the declared (min, max) sizes, either of which may be unset.
 DimBounds = dict[int, tuple[int | None, int | None]]
+# A non-tensor input leaf the artifact can check: the literal scalar types.
+LeafValue = bool | int | float | str
 
 # The artifact's metadata constants, in emission order. ``parse_metadata`` requires
 # every one of them; ``CaptureResult.metadata`` yields them from the fields.
@@ -48,6 +50,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_BOUNDS",
     "USER_INPUT_STRIDES",
     "USER_INPUT_SYMBOLS",
+    "USER_INPUT_VALUES",
 )
 
 
@@ -103,6 +106,9 @@ class CaptureResult:
     # each dynamic dim's symbol; dims with the same symbol must have equal sizes.
     user_input_strides: list[tuple[int, ...] | None]
     user_input_symbols: list[dict[int, str] | None]
+    # Per leaf: the value of a bool, int, float or str leaf, which the trace built
+    # into the graph, so the driver holds each call to it; None for the others.
+    user_input_values: list[LeafValue | None]
 
     # The compiled graph, spliced verbatim into the artifact. It defines
     # ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self, flat)``

@@ -70,6 +70,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         user_input_bounds=traced.user_input_bounds,
         user_input_strides=traced.user_input_strides,
         user_input_symbols=traced.user_input_symbols,
+        user_input_values=traced.user_input_values,
         graph_source=graph_source,
         graph_imports=graph_imports,
         graph_in_spec=graph_in_spec,

@@ -76,6 +76,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         user_input_bounds=[{0: (1, 64)}],
         user_input_strides=[None],
         user_input_symbols=[{0: "u0"}],
+        user_input_values=[None],
         graph_source=_GRAPH_STUBS[backend],
         graph_imports=_EAGER_GRAPH_IMPORTS if eager else [],
         graph_in_spec=_FLAT_SPEC if eager else None,

@@ -353,6 +353,7 @@ def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
         user_input_bounds=[{0: (2, 64)}, {0: (None, None)}],
         user_input_strides=[None, None],
         user_input_symbols=[{0: "u0"}, {0: "u0"}],
+        user_input_values=[None, None],
         in_spec=None,
     )
     report = inspect_artifact(render_artifact(cap))

@@ -105,6 +105,7 @@ def inductor_inference() -> pg.CaptureResult:
         user_input_bounds=[None],
         user_input_strides=[(4, 1)],
         user_input_symbols=[None],
+        user_input_values=[None],
         graph_source=(FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
         graph_imports=[],
         graph_in_spec=None,

@@ -190,6 +190,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BUFFER_STRIDES": [(1,), (1,), ()],
         "USER_INPUT_STRIDES": [(4, 1), (1,), None],
         "USER_INPUT_SYMBOLS": [None, None, None],
+        # The int extras["scale"] is built into the graph: calls must pass 2.
+        "USER_INPUT_VALUES": [None, None, 2],
     }
     assert list(meta) == [
         "BACKEND",
@@ -218,6 +220,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_BOUNDS",
         "USER_INPUT_STRIDES",
         "USER_INPUT_SYMBOLS",
+        "USER_INPUT_VALUES",
     ]
 
 

@@ -56,6 +56,7 @@ def large_capture(backend: Backend) -> pg.CaptureResult:
         user_input_bounds=[{0: (1, 64)}, {1: (None, 9), 0: (2, None)}, None],
         user_input_strides=[None, None, None],
         user_input_symbols=[{0: "u0"}, {0: "u0", 1: "u1"}, None],
+        user_input_values=[None, None, "caf\u00e9 'q' \"q\""],
     )
 
 

@@ -343,6 +343,32 @@ def test_tensor_where_example_had_non_tensor(
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"), [(0.25, "0.25"), (1, "1"), (True, "True"), ("0.5", "'0.5'")]
+)
+def test_other_scalar_than_the_example(
+    forward: Callable[..., object],
+    model: nn.Module,
+    batch: Batch,
+    value: object,
+    shown: str,
+) -> None:
+    # The trace multiplied by 0.5: another value, or 0.5's equal of another type,
+    # would silently compute with 0.5.
+    assert forward.__globals__["USER_INPUT_VALUES"] == [None, None, None, 0.5]
+    assert_call_rejected(
+        forward,
+        model,
+        batch,
+        value,
+        match=[
+            f"argument 2 is {shown}, but the function was traced with 0.5",
+            "the graph has built in",
+            "Pass 0.5, or capture again with this value",
+        ],
+    )
+
+
 def test_non_tensor_where_example_had_tensor(
     forward: Callable[..., object], model: nn.Module, batch: Batch
 ) -> None:

@@ -178,6 +178,7 @@ def hand_built_capture() -> pg.CaptureResult:
         user_input_dtypes=["torch.float32", None],
         user_input_devices=["cpu", None],
         user_input_bounds=[{1: (None, 9), 0: (1, 64)}, None],
+        user_input_values=[None, 0.1],
     )
 
 

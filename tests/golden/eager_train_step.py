@@ -153,6 +153,9 @@ USER_INPUT_BOUNDS: list[dict[int, tuple[int | None, int | None]] | None] = [None
 # symbol of each dynamic dim; dims that share a symbol must have equal sizes.
 USER_INPUT_STRIDES: list[tuple[int, ...] | None] = [(4, 1), (2, 1)]
 USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None, None]
+# Per leaf: the value of a bool, int, float or str leaf, built into the graph as a
+# constant, so each call must pass the same; None for tensors and other values.
+USER_INPUT_VALUES: list[bool | int | float | str | None] = [None, None]
 
 # ====================================================================================
 # 3. Driver: validate the call, run the graph, scatter gradients
@@ -326,6 +329,16 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
                 "example had a non-tensor value there, which the graph specialised "
                 "on. Pass the example's value."
             )
+        value = USER_INPUT_VALUES[index]
+        if value is not None and (type(leaf) is not type(value) or leaf != value):
+            traced = _short_repr(value)
+            _fail(
+                f"{_leaf_name(user_inputs, index)} is {_short_repr(leaf)}, but the "
+                f"function was traced with {traced}, which the graph has built in: "
+                f"non-tensor inputs are specialised to the example. Pass {traced}, "
+                "or capture again with this value (or with a tensor there, to vary "
+                "it)."
+            )
         return
     if not isinstance(leaf, torch.Tensor):
         _fail(
@@ -365,6 +378,11 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
                 f"({_show_bounds(low, high)}). Pass a size within them, or capture "
                 "again with wider bounds."
             )
+
+
+def _short_repr(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else f"{shown[:77]}..."
 
 
 def _show_shape(shape: tuple[int | None, ...]) -> str:
