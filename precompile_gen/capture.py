@@ -175,6 +175,7 @@ def trace(
     )
     user_leaves, in_spec = pytree.tree_flatten(user_inputs)
     leaf_names = _leaf_names(example_inputs, module_positions, user_inputs)
+    _reject_nested_modules(user_leaves, leaf_names)
     marks = dynamic_dims.read_dim_marks(user_leaves, leaf_names, backend)
     symbolic = (
         dynamic_dims.symbolic_inputs(state.tensors, user_leaves, leaf_names, marks)
@@ -359,6 +360,20 @@ def _leaf_names(
         position = user_positions[cast(pytree.SequenceKey, path[0]).idx]
         names.append(f"argument {position}{pytree.keystr(path[1:])}")
     return names
+
+
+def _reject_nested_modules(leaves: list[object], leaf_names: list[str]) -> None:
+    # Only positional module arguments have their state lifted to graph inputs; the
+    # parameters of a module inside a list or dict would be baked in as constants.
+    for name, leaf in zip(leaf_names, leaves, strict=True):
+        if isinstance(leaf, torch.nn.Module):
+            raise PrecompileError(
+                f"{name} is an nn.Module ({type(leaf).__name__}) inside a container, "
+                "but only modules passed as positional arguments have their "
+                "parameters and buffers lifted to inputs of the artifact. Pass it as "
+                "an argument of its own: fn(encoder, head, x) rather than "
+                "fn({'encoder': encoder, 'head': head}, x)."
+            )
 
 
 def _reject_stray_grads(

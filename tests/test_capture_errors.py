@@ -180,6 +180,29 @@ def test_plain_module_tensor_attribute(x: torch.Tensor) -> None:
 # --- gradients that only parameters may receive ------------------------------------
 
 
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_module_inside_a_container(x: torch.Tensor, container: str) -> None:
+    model = Net()
+
+    def step_on_nested(models: object, x: torch.Tensor) -> torch.Tensor:
+        inner = models[0] if isinstance(models, list) else cast(dict, models)["net"]
+        return train_step(inner, x)
+
+    models = [model] if container == "list" else {"net": model}
+    where = "argument 0[0]" if container == "list" else "argument 0['net']"
+    snapshot = StateSnapshot(model)
+    assert_capture_rejected(
+        step_on_nested,
+        models,
+        x,
+        match=[
+            f"{where} is an nn.Module (Net) inside a container",
+            "Pass it as an argument of its own",
+        ],
+    )
+    snapshot.assert_unchanged()
+
+
 def test_buffer_that_receives_a_grad(x: torch.Tensor) -> None:
     torch.manual_seed(0)
     model = with_some_grads(NetWithGradBuffer())
