@@ -75,8 +75,9 @@ def metadata_of(module: ast.Module) -> dict[str, object]:
     if missing:
         raise PrecompileError(
             f"python_code lacks the metadata constants {missing}; it is not a "
-            "precompile_gen artifact, or it was truncated or edited. Pass the "
-            "python_code returned by precompile()."
+            "precompile_gen artifact, was made by another version of precompile_gen, "
+            "or was truncated or edited. Pass the python_code returned by "
+            "precompile() of this version (precompile again to regenerate it)."
         )
     if found["BACKEND"] not in BACKENDS:
         raise PrecompileError(

@@ -581,3 +581,18 @@ def test_traceback_of_an_error_raised_in_the_artifact_shows_its_line(
     assert frame.name == "forward"
     assert frame.lineno is not None
     assert code.splitlines()[frame.lineno - 1].strip() == frame.line
+
+
+def test_an_artifact_of_another_version_is_named_as_such(captured: Captured) -> None:
+    # An artifact written before a metadata constant was added lacks it.
+    old = "\n".join(
+        line
+        for line in captured.code.splitlines()
+        if not line.startswith("USER_INPUT_VALUES:")
+    )
+    with pytest.raises(pg.PrecompileError) as info:
+        pg.load(old, captured.cache)
+    message = str(info.value)
+    assert "lacks the metadata constants ['USER_INPUT_VALUES']" in message
+    assert "made by another version of precompile_gen" in message
+    assert "precompile again to regenerate it" in message
