@@ -192,11 +192,12 @@ def trace(
 
     def flat_fn(flat: list[Any]) -> list[object]:
         inputs = pytree.tree_unflatten(flat[num_state:], in_spec)
-        params = state.tensors[:num_params], flat[:num_params]
         with (
             _modes_restored(submodules, module_training),
             _reparametrized(modules, state, flat[:num_state]),
-            grad_resets.recording(*params, resets),
+            grad_resets.recording(
+                state.tensors[:num_params], flat[:num_params], resets
+            ),
         ):
             args = _interleave(example_inputs, module_positions, inputs)
             result = fn(*args)

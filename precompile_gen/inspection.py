@@ -295,9 +295,9 @@ def _modules(metadata: dict[str, object]) -> list[dict[str, object]]:
 
 def _mode(training: list[bool]) -> str:
     """The mode the module and its submodules were traced in."""
-    in_training = sum(flag is True for flag in training)
     if not training:
         return "unknown"
+    in_training = sum(flag is True for flag in training)
     if in_training == len(training):
         return "training"
     if in_training == 0:

@@ -297,7 +297,11 @@ CHANGES: dict[str, tuple[Callable[[Net], object], list[str]]] = {
     ),
     "module without parameters added": (
         lambda m: setattr(m, "act", nn.ReLU()),
-        ["the model has 5 modules", "the traced one had 4"],
+        [
+            "the model has 5 modules",
+            "the traced one had 4",
+            "Pass a model of the traced architecture",
+        ],
     ),
 }
 

@@ -157,10 +157,11 @@ USER_INPUT_VALUES: list[bool | int | float | str | None] = [None]
 # ====================================================================================
 # 3. Driver: validate the call, run the graph, scatter gradients
 # ====================================================================================
+import reprlib
 import weakref
+from collections.abc import Callable
 from itertools import chain
 from operator import attrgetter
-from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 import torch
@@ -328,9 +329,9 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
             )
         value = USER_INPUT_VALUES[index]
         if value is not None and (type(leaf) is not type(value) or leaf != value):
-            traced = _short_repr(value)
+            traced = reprlib.repr(value)
             _fail(
-                f"{_leaf_name(user_inputs, index)} is {_short_repr(leaf)}, but the "
+                f"{_leaf_name(user_inputs, index)} is {reprlib.repr(leaf)}, but the "
                 f"function was traced with {traced}, which the graph has built in: "
                 f"non-tensor inputs are specialised to the example. Pass {traced}, "
                 "or capture again with this value (or with a tensor there, to vary "
@@ -375,11 +376,6 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
                 f"({_show_bounds(low, high)}). Pass a size within them, or capture "
                 "again with wider bounds."
             )
-
-
-def _short_repr(value: object) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 80 else f"{shown[:77]}..."
 
 
 def _show_shape(shape: tuple[int | None, ...]) -> str:
