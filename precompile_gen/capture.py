@@ -23,16 +23,27 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from precompile_gen import dynamic_dims, grad_resets, kernel_binaries, timings
+from precompile_gen import (
+    aliasing,
+    dynamic_dims,
+    grad_resets,
+    kernel_binaries,
+    timings,
+)
 from precompile_gen.capture_result import (
-    BACKENDS,
+    AliasGroup,
     Backend,
     CaptureResult,
     DimBounds,
     LeafValue,
     Shape,
+    check_backend,
 )
-from precompile_gen.errors import PrecompileError
+from precompile_gen.errors import (
+    PrecompileError,
+    PrecompileNotImplementedError,
+    PrecompileValueError,
+)
 from precompile_gen.lower import lower
 
 
@@ -64,20 +75,17 @@ def _fn_name(fn: object) -> str:
 
 def _check_arguments(fn: object, backend: str, tracer: str) -> Backend:
     if tracer == "dynamo":
-        raise NotImplementedError(
+        raise PrecompileNotImplementedError(
             "tracer='dynamo' is not implemented; use tracer='make_fx' (the default)."
         )
     if tracer != "make_fx":
-        raise ValueError(f"tracer must be 'make_fx', got {tracer!r}.")
+        raise PrecompileValueError(f"tracer must be 'make_fx', got {tracer!r}.")
     if not callable(fn):
         raise ValueError(
             "fn must be callable (the computation to capture), got "
             f"{type(fn).__name__}."
         )
-    for known in BACKENDS:
-        if backend == known:
-            return known
-    raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}.")
+    return check_backend(backend)
 
 
 @dataclass
@@ -111,6 +119,12 @@ class TracedGraph:
     num_positional_args: int
     module_training: list[list[bool]]
     state: ModuleState
+    aliased_inputs: list[AliasGroup]
+    # Positions of the graph inputs fn updated in place.
+    mutated_inputs: list[int]
+    # The tensors fn created from Python data (torch.tensor(...)), by the name of the
+    # graph input each became; they follow the user-input leaves in ``flat_args``.
+    constants: list[tuple[str, torch.Tensor]]
     grad_param_indices: list[int]
     grad_resets: list[tuple[int, bool]]
     in_spec: pytree.TreeSpec
@@ -183,12 +197,14 @@ def trace(
         else None
     )
     if symbolic is None:
-        flat_args = [_copy_for_trace(t) for t in [*state.tensors, *user_leaves]]
+        flat_args = aliasing.copies_for_trace([*state.tensors, *user_leaves])
     else:
         flat_args = symbolic.flat_args
     num_state, num_params = len(state.tensors), state.num_params
     harvest: dict[str, Any] = {}
     resets: grad_resets.Resets = {}
+    # What fn itself raised while traced: it reaches the caller unwrapped.
+    raised_by_fn: list[Exception] = []
 
     def flat_fn(flat: list[Any]) -> list[object]:
         inputs = pytree.tree_unflatten(flat[num_state:], in_spec)
@@ -200,7 +216,11 @@ def trace(
             ),
         ):
             args = _interleave(example_inputs, module_positions, inputs)
-            result = fn(*args)
+            try:
+                result = fn(*args)
+            except Exception as error:
+                raised_by_fn.append(error)
+                raise
         grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat, leaf_names)
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
@@ -209,10 +229,11 @@ def trace(
         ]
         return [*result_leaves, *(g for g in grads if g is not None)]
 
+    versions = [_version(arg) for arg in flat_args]
     try:
         # Grad mode on, so a backward inside fn is recorded as graph ops.
         mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
-        with torch.enable_grad(), mode:
+        with torch.enable_grad(), mode, _compiling():
             gm = make_fx(
                 flat_fn,
                 decomposition_table=decompositions,
@@ -224,6 +245,17 @@ def trace(
         guard = dynamic_dims.guard_error_in(error)
         if guard is not None and symbolic is not None:
             raise dynamic_dims.data_dependent_error(guard, symbolic, fn_name) from error
+        if any(error is raised for raised in raised_by_fn):
+            # The function's own exception, as eager would raise it, so that the
+            # caller's ``except`` clauses keep working; the note says where it rose.
+            error.add_note(
+                f"precompile_gen: {fn_name!r} raised this while it was traced on "
+                "copies of the example inputs (capture). Check that "
+                f"{fn_name}(*example_inputs) runs eagerly with these inputs; while "
+                "tracing, torch.compiler.is_compiling() is true and every tensor is a "
+                "copy of the example's."
+            )
+            raise
         raise PrecompileError(
             f"capture failed while tracing {fn_name!r}: {type(error).__name__}: "
             f"{_first_line(error)}. The function must run on the example inputs as "
@@ -233,7 +265,18 @@ def trace(
 
     if symbolic is not None:
         dynamic_dims.reject_constrained_dims(symbolic, fn_name)
-    _reject_constants(gm, fn, modules, module_positions)
+    # The trace ran fn for real (or on fakes), so an in-place update of an input
+    # shows in its version counter.
+    mutated_inputs = [
+        position
+        for position, (arg, before) in enumerate(zip(flat_args, versions, strict=True))
+        if _version(arg) != before
+    ]
+    constants = _lift_constants(gm, fn, modules, module_positions)
+    if symbolic is None:
+        flat_args += [tensor for _, tensor in constants]
+    else:
+        flat_args += [symbolic.fake_mode.from_tensor(t) for _, t in constants]
     _reject_control_flow(gm)
     _reject_effectful_ops(gm)
     return TracedGraph(
@@ -244,6 +287,9 @@ def trace(
         num_positional_args=len(example_inputs),
         module_training=module_training,
         state=state,
+        aliased_inputs=aliasing.alias_groups([*state.tensors, *user_leaves]),
+        mutated_inputs=mutated_inputs,
+        constants=constants,
         grad_param_indices=harvest["grad_param_indices"],
         grad_resets=sorted(resets.items()),
         in_spec=in_spec,
@@ -265,23 +311,17 @@ def trace(
     )
 
 
-def _copy_for_trace(value: object) -> object:
-    """A detached copy with the same strides and ``requires_grad``.
-
-    make_fx's real mode runs every op for real, so tracing on the originals would
-    apply fn's side effects (BatchNorm's running stats, in-place input updates, the
-    ``.grad`` a backward writes) to the caller's example model and inputs. The strides
-    are kept because the inductor backend specialises on them.
-    """
-    if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
-        return value
-    tensor = cast(torch.Tensor, value)
-    copy = torch.empty_strided(
-        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device
-    )
-    with torch.no_grad():
-        copy.copy_(tensor)
-    return copy.requires_grad_(tensor.requires_grad)
+@contextlib.contextmanager
+def _compiling() -> Generator[None]:
+    """``torch.compiler.is_compiling()`` is true while fn is traced, as it is in
+    torch.export's non-strict trace: library code checks it to take a path that
+    traces (transformers builds attention masks without data-dependent branches)."""
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
 
 
 @contextlib.contextmanager
@@ -356,11 +396,32 @@ def _leaf_names(
     user_positions = [
         i for i in range(len(example_inputs)) if i not in module_positions
     ]
-    names = []
-    for path, _ in pytree.tree_flatten_with_path(user_inputs)[0]:
-        position = user_positions[cast(pytree.SequenceKey, path[0]).idx]
-        names.append(f"argument {position}{pytree.keystr(path[1:])}")
-    return names
+    return [
+        f"argument {user_positions[index]}{path}"
+        for index, argument in enumerate(user_inputs)
+        for path in leaf_paths(argument)
+    ]
+
+
+def leaf_paths(tree: object) -> list[str]:
+    """The path of each of ``tree``'s pytree leaves as ``pytree.keystr`` writes it
+    (``['x'][0]``). A node type registered without ``flatten_with_keys_fn`` (common in
+    older code) has its children named by position, where torch's own
+    ``tree_flatten_with_path`` would raise."""
+    if pytree.tree_is_leaf(tree):
+        return [""]
+    node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
+    keyed: list[tuple[Any, object]]
+    if node.flatten_with_keys_fn is not None:
+        keyed = node.flatten_with_keys_fn(tree)[0]
+    else:
+        children = node.flatten_fn(tree)[0]
+        keyed = [(pytree.SequenceKey(i), child) for i, child in enumerate(children)]
+    return [
+        pytree.keystr((key,)) + path
+        for key, child in keyed
+        for path in leaf_paths(child)
+    ]
 
 
 def _reject_nested_modules(leaves: list[object], leaf_names: list[str]) -> None:
@@ -392,7 +453,11 @@ def _reject_stray_grads(
                 "on it."
             )
     user_leaves = flat[len(state.tensors) :]
+    # A parameter also passed as an input is one tensor, whose gradient is harvested.
+    lifted = {id(tensor) for tensor in flat[: len(state.tensors)]}
     for name, leaf in zip(leaf_names, user_leaves, strict=True):
+        if id(leaf) in lifted:
+            continue
         if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
             raise PrecompileError(
                 f"the input {name} (a {tuple(leaf.shape)} tensor) received a "
@@ -402,37 +467,115 @@ def _reject_stray_grads(
             )
 
 
-def _reject_constants(
+# How many elements a tensor literal may have to be kept in the artifact as text.
+MAX_CONSTANT_ELEMENTS = 4096
+# make_fx records ``torch.tensor(data)`` as a constant that one of these copies into
+# the graph: the mark of a tensor fn created from Python data, rather than one that
+# existed before fn ran (which make_fx reads directly).
+_FRESH_TENSOR_OPS = (
+    torch.ops.aten.lift_fresh_copy.default,
+    torch.ops.aten.lift_fresh.default,
+)
+# The dtypes whose values ``tolist()`` gives as Python bools, ints and floats.
+_LITERAL_DTYPES = frozenset(
+    (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    )
+)
+
+
+def _lift_constants(
     gm: torch.fx.GraphModule,
     fn: Callable[..., object],
     modules: list[torch.nn.Module],
     module_positions: list[int],
-) -> None:
-    """A tensor the graph reads that is neither an input nor computed would be baked
-    into the artifact as a constant; name where it came from."""
-    constants = [
-        (node.target, getattr(gm, str(node.target)))
-        for node in gm.graph.find_nodes(op="get_attr")
-    ]
-    constants = [(t, c) for t, c in constants if isinstance(c, torch.Tensor)]
-    if not constants:
-        return
+) -> list[tuple[str, torch.Tensor]]:
+    """Turn each tensor literal fn created (``torch.tensor(-100.0)``) into a graph
+    input after the user-input leaves, which the artifact feeds from a literal; reject
+    every other tensor the graph reads that is neither an input nor computed: it
+    existed before fn ran, may change between calls, and would be baked in."""
     origins = _tensor_origins(fn, modules, module_positions)
-    described = []
-    for _, tensor in constants:
+    literals: list[tuple[torch.fx.Node, torch.Tensor]] = []
+    rejected = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        tensor = getattr(gm, str(node.target))
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        fresh = bool(node.users) and all(
+            user.target in _FRESH_TENSOR_OPS for user in node.users
+        )
+        problem = _literal_problem(tensor) if fresh else None
+        if fresh and id(tensor) not in origins and problem is None:
+            literals.append((node, tensor))
+            continue
         where = origins.get(
             id(tensor),
             "a tensor created inside the function from Python data, e.g. "
-            "torch.tensor([...])",
+            f"torch.tensor([...]), {problem}"
+            if fresh
+            else "a tensor that existed before the function ran (e.g. one held by "
+            "a library or a closure)",
         )
-        described.append(f"{where} (shape {tuple(tensor.shape)}, {tensor.dtype})")
-    raise PrecompileError(
-        "the function reads tensors that are neither inputs nor computed from inputs, "
-        "so they would be baked into the artifact as constants: "
-        + "; ".join(described)
-        + ". Pass each one as an argument: register module state with "
-        "register_buffer / nn.Parameter, and create literals outside the function."
-    )
+        rejected.append(f"{where} (shape {tuple(tensor.shape)}, {tensor.dtype})")
+    if rejected:
+        raise PrecompileError(
+            "the function reads tensors that are neither inputs nor computed from "
+            "inputs, so they would be baked into the artifact as constants: "
+            + "; ".join(rejected)
+            + ". Pass each one as an argument: register module state with "
+            "register_buffer / nn.Parameter, and pass large literals in as inputs."
+        )
+    return _as_graph_inputs(gm, literals)
+
+
+def _literal_problem(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor`` cannot be written into the artifact as a literal, or None."""
+    if tensor.numel() > MAX_CONSTANT_ELEMENTS:
+        return (
+            f"with {tensor.numel()} elements, more than the {MAX_CONSTANT_ELEMENTS} "
+            "the artifact keeps as a readable literal"
+        )
+    if tensor.dtype not in _LITERAL_DTYPES:
+        return f"of dtype {tensor.dtype}, which has no Python literal"
+    if torch.tensor(tensor.tolist()).shape != tensor.shape:
+        return f"of shape {tuple(tensor.shape)}, which a nested list cannot express"
+    return None
+
+
+def _as_graph_inputs(
+    gm: torch.fx.GraphModule, literals: list[tuple[torch.fx.Node, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """Replace each literal's ``get_attr`` with a placeholder after the others."""
+    if not literals:
+        return []
+    graph = gm.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    lifted = []
+    # Each insertion lands right after the last placeholder, so insert in reverse.
+    with graph.inserting_after(placeholders[-1]):
+        for index, (node, tensor) in reversed(list(enumerate(literals))):
+            placeholder = graph.placeholder(f"literal{index}")
+            node.replace_all_uses_with(placeholder)
+            graph.erase_node(node)
+            delattr(gm, str(node.target))
+            lifted.append((placeholder.name, tensor.detach()))
+    lifted.reverse()
+    # make_fx's code takes one list argument and unpacks it by this spec.
+    codegen = cast(Any, graph._codegen)
+    info = codegen.pytree_info
+    flat = [0] * (len(placeholders) + len(lifted))
+    codegen.pytree_info = info._replace(in_spec=pytree.tree_structure((flat,)))
+    gm.recompile()
+    return lifted
 
 
 def _tensor_origins(
@@ -495,6 +638,10 @@ def _reject_effectful_ops(gm: torch.fx.GraphModule) -> None:
                 "effects that must be ordered, such as printing), which cannot be "
                 "captured into a functional artifact. Move it out of the function."
             )
+
+
+def _version(value: object) -> int | None:
+    return value._version if isinstance(value, torch.Tensor) else None
 
 
 def _leaf_value(leaf: object) -> LeafValue | None:

@@ -9,10 +9,24 @@ it without tracing anything. Field names match the artifact's metadata constants
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
+
+from precompile_gen.errors import PrecompileValueError
 
 Backend = Literal["eager", "inductor"]
 BACKENDS: tuple[Backend, ...] = ("inductor", "eager")
+
+
+def check_backend(backend: str) -> Backend:
+    """``backend`` as a ``Backend``; a ``ValueError`` (and ``PrecompileError``) unless
+    it names one."""
+    for known in BACKENDS:
+        if backend == known:
+            return known
+    raise PrecompileValueError(
+        f"backend must be one of {list(BACKENDS)}, got {backend!r}."
+    )
+
 
 # One shape per tensor leaf; a dynamic (mark_unbacked) dim is None.
 Shape = tuple[int | None, ...]
@@ -51,7 +65,25 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_STRIDES",
     "USER_INPUT_SYMBOLS",
     "USER_INPUT_VALUES",
+    "ALIASED_INPUTS",
 )
+# Per group of graph inputs that shared one storage at capture: each member's index
+# among ``[*params, *buffers, *user_input_leaves]``, with its (storage offset, strides).
+AliasGroup = dict[int, tuple[int, tuple[int, ...]]]
+# A tensor literal's values, as ``tolist()`` gives them.
+LiteralValues = bool | int | float | list["LiteralValues"]
+
+
+class TensorLiteral(NamedTuple):
+    """A tensor the traced function created from Python data (``torch.tensor(...)``):
+    a constant of the program, written into the artifact's graph section and fed to
+    the graph after the user-input leaves."""
+
+    # The graph input it feeds (``literal0``, ...).
+    name: str
+    values: LiteralValues
+    dtype: str
+    device: str
 
 
 @dataclass(frozen=True)
@@ -78,9 +110,10 @@ class CaptureResult:
     buffer_names: list[str]
     param_shapes: list[tuple[int, ...]]
     buffer_shapes: list[tuple[int, ...]]
-    # The example tensors' strides: the inductor backend specialises on them.
-    param_strides: list[tuple[int, ...]]
-    buffer_strides: list[tuple[int, ...]]
+    # The example tensors' strides where the compiled graph depends on them (the
+    # inductor backend's kernels read the tensor); None where it does not.
+    param_strides: list[tuple[int, ...] | None]
+    buffer_strides: list[tuple[int, ...] | None]
     param_dtypes: list[str]
     buffer_dtypes: list[str]
     param_devices: list[str]
@@ -102,18 +135,25 @@ class CaptureResult:
     user_input_dtypes: list[str | None]
     user_input_devices: list[str | None]
     user_input_bounds: list[DimBounds | None]
-    # Per leaf: strides (None for a non-tensor leaf or one with dynamic dims), and
-    # each dynamic dim's symbol; dims with the same symbol must have equal sizes.
+    # Per leaf: strides (None for a non-tensor leaf, one with dynamic dims, or one
+    # whose layout the compiled graph does not depend on), and each dynamic dim's
+    # symbol; dims with the same symbol must have equal sizes.
     user_input_strides: list[tuple[int, ...] | None]
     user_input_symbols: list[dict[int, str] | None]
     # Per leaf: the value of a bool, int, float or str leaf, which the trace built
     # into the graph, so the driver holds each call to it; None for the others.
     user_input_values: list[LeafValue | None]
+    # The graph inputs that shared a storage at capture (a tensor passed twice, views
+    # of one storage, a parameter also passed as an input): the graph is right only
+    # for that aliasing, so the driver holds each call to it.
+    aliased_inputs: list[AliasGroup]
 
     # The compiled graph, spliced verbatim into the artifact. It defines
     # ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self, flat)``
     # (eager, wrapped into ``call`` by the eager graph template).
     graph_source: str
+    # Inputs of the graph after the user-input leaves, written out as literals.
+    tensor_literals: list[TensorLiteral]
     # Eager only: the imports fx's generated code expects in scope, and the
     # ``treespec_dumps`` of the graph's own flat input/output specs.
     graph_imports: list[str]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from precompile_gen.api import precompile
 from precompile_gen.cache import check_key, code_hash
-from precompile_gen.capture_result import BACKENDS
+from precompile_gen.capture_result import check_backend
 from precompile_gen.errors import PrecompileError
 from precompile_gen.files import write_pair
 from precompile_gen.load import load
@@ -86,8 +86,7 @@ def precompile_once(
     wait for ``src`` inside a collective, so the group's timeout
     (``init_process_group(timeout=...)``) must exceed the time to precompile.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}.")
+    check_backend(backend)
     if key is not None:
         check_key(key)
     stem = _file_stem(fn, name) if cache_dir is not None else None

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from precompile_gen.capture_result import Backend, DimBounds
-from precompile_gen.errors import PrecompileError
+from precompile_gen.errors import PrecompileError, PrecompileNotImplementedError
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def read_dim_marks(
 
 def _check_markable(leaf: torch.Tensor, name: str, backend: Backend) -> None:
     if backend != "inductor":
-        raise PrecompileError(
+        raise PrecompileNotImplementedError(
             f"the input {name} has a mark_unbacked dynamic dim, which the {backend} "
             "backend does not support (it runs the graph traced for the example's "
             "static shapes). Capture with backend='inductor' to keep the dim dynamic, "

@@ -16,6 +16,19 @@ class PrecompileError(RuntimeError):
     """
 
 
+# Where torch.compiler.precompile rejects with a built-in type, the same rejection here
+# is also of that type, so that a program's ``except ValueError`` (or
+# ``except NotImplementedError``) keeps working as well as ``except PrecompileError``.
+
+
+class PrecompileValueError(PrecompileError, ValueError):
+    """A bad argument value (an unknown backend or tracer)."""
+
+
+class PrecompileNotImplementedError(PrecompileError, NotImplementedError):
+    """A feature the chosen backend or tracer does not provide."""
+
+
 # A value read from a damaged or hostile cache can be huge or deeply nested, and repr
 # could recurse through it; messages show such values bounded in length and depth.
 _bounded_repr = reprlib.Repr()

@@ -316,6 +316,7 @@ def _module_state(metadata: dict[str, object]) -> list[dict[str, object]]:
     state: list[dict[str, object]] = []
     for kind, prefix in (("parameter", "PARAM"), ("buffer", "BUFFER")):
         names = cast(list[str], metadata[f"{prefix}_NAMES"])
+        strides = cast(list[tuple[int, ...] | None], metadata[f"{prefix}_STRIDES"])
         for index, name in enumerate(names):
             entry: dict[str, object] = {
                 "name": name,
@@ -323,9 +324,7 @@ def _module_state(metadata: dict[str, object]) -> list[dict[str, object]]:
                 "shape": list(
                     cast(list[tuple[int, ...]], metadata[f"{prefix}_SHAPES"])[index]
                 ),
-                "stride": list(
-                    cast(list[tuple[int, ...]], metadata[f"{prefix}_STRIDES"])[index]
-                ),
+                "stride": _optional_list(strides[index]),
                 "dtype": cast(list[str], metadata[f"{prefix}_DTYPES"])[index],
                 "device": cast(list[str], metadata[f"{prefix}_DEVICES"])[index],
             }
@@ -334,6 +333,10 @@ def _module_state(metadata: dict[str, object]) -> list[dict[str, object]]:
                 entry["grad"] = _grad(index in grads, resets.get(index))
             state.append(entry)
     return state
+
+
+def _optional_list(values: tuple[int, ...] | None) -> list[int] | None:
+    return None if values is None else list(values)
 
 
 def _grad(harvested: bool, reset_to_none: bool | None) -> str:

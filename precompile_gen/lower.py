@@ -7,13 +7,14 @@ epilogue), whose compiled binaries go into the cache.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
 from precompile_gen import kernel_binaries, timings
-from precompile_gen.capture_result import Backend, CaptureResult
+from precompile_gen.capture_result import Backend, CaptureResult, TensorLiteral
 from precompile_gen.errors import PrecompileError
 
 if TYPE_CHECKING:
@@ -42,6 +43,12 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
     state = traced.state
     tensors = state.tensors
     params, buffers = tensors[: state.num_params], tensors[state.num_params :]
+    strides: list[tuple[int, ...] | None] = [tuple(t.stride()) for t in tensors] + list(
+        traced.user_input_strides
+    )
+    if backend == "inductor":
+        strides = _layout_dependent(strides, graph_source, traced)
+    num_state = len(tensors)
     return CaptureResult(
         backend=backend,
         fn_name=traced.fn_name,
@@ -52,8 +59,8 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         buffer_names=state.buffer_names,
         param_shapes=[tuple(t.shape) for t in params],
         buffer_shapes=[tuple(t.shape) for t in buffers],
-        param_strides=[tuple(t.stride()) for t in params],
-        buffer_strides=[tuple(t.stride()) for t in buffers],
+        param_strides=strides[: state.num_params],
+        buffer_strides=strides[state.num_params : num_state],
         param_dtypes=[str(t.dtype) for t in params],
         buffer_dtypes=[str(t.dtype) for t in buffers],
         param_devices=[str(t.device) for t in params],
@@ -68,15 +75,52 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         user_input_dtypes=traced.user_input_dtypes,
         user_input_devices=traced.user_input_devices,
         user_input_bounds=traced.user_input_bounds,
-        user_input_strides=traced.user_input_strides,
+        user_input_strides=strides[num_state:],
         user_input_symbols=traced.user_input_symbols,
         user_input_values=traced.user_input_values,
+        aliased_inputs=traced.aliased_inputs,
         graph_source=graph_source,
+        tensor_literals=[
+            TensorLiteral(name, tensor.tolist(), str(tensor.dtype), str(tensor.device))
+            for name, tensor in traced.constants
+        ],
         graph_imports=graph_imports,
         graph_in_spec=graph_in_spec,
         graph_out_spec=graph_out_spec,
         cache_artifact=cache_artifact,
     )
+
+
+# Inductor's wrapper unpacks its inputs as ``arg0_1, arg1_1, ... = args`` and, with
+# size_asserts, checks the layout of each one a kernel reads, just before that kernel:
+# ``assert_size_stride(arg3_1, ...)`` or ``assert_size_stride_grouped((arg1_1, ...),``.
+_UNPACKED_INPUTS = re.compile(r"^ +((?:arg\d+_1, )*arg\d+_1),? = args$", re.MULTILINE)
+_ASSERTED_INPUTS = re.compile(
+    r"assert_size_stride\((arg\d+_1),|assert_size_stride_grouped\(\(([^)]*)\)"
+)
+
+
+def _layout_dependent(
+    strides: list[tuple[int, ...] | None], graph_source: str, traced: TracedGraph
+) -> list[tuple[int, ...] | None]:
+    """``strides`` (one per graph input before the literals) kept only where the
+    compiled graph depends on them: the inputs a kernel reads, which Inductor asserts,
+    and those the graph updates in place. An input used for its shape alone, or not
+    at all, may come in any layout. Where the wrapper's inputs are not the graph's
+    one to one (AOTAutograd merges aliased inputs), every input keeps its strides."""
+    unpacked = _UNPACKED_INPUTS.search(graph_source)
+    names = unpacked.group(1).split(", ") if unpacked else []
+    if traced.aliased_inputs or len(names) != len(traced.flat_args):
+        return strides
+    asserted = set()
+    for single, grouped in _ASSERTED_INPUTS.findall(graph_source):
+        asserted.update([single] if single else grouped.split(", "))
+    return [
+        stride
+        if names[position] in asserted or position in traced.mutated_inputs
+        else None
+        for position, stride in enumerate(strides)
+    ]
 
 
 def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:

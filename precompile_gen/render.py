@@ -50,7 +50,7 @@ def literal(value: object) -> str:
 
     Deterministic: dict entries are sorted, so equal dicts render identically.
     """
-    return _render(value, repr)
+    return _render(value, _repr_atom)
 
 
 def _render(value: object, atom: Callable[[object], str]) -> str:
@@ -58,8 +58,6 @@ def _render(value: object, atom: Callable[[object], str]) -> str:
         raise TypeError(
             f"cannot render a {type(value).__name__} as a Python literal: {value!r}"
         )
-    if isinstance(value, float) and not math.isfinite(value):
-        raise TypeError(f"cannot render the non-finite float {value!r} as a literal")
     if isinstance(value, list):
         return "[" + ", ".join(_render(v, atom) for v in value) + "]"
     if isinstance(value, tuple):
@@ -89,16 +87,26 @@ def _sort_key(key: object) -> tuple[int, int, str]:
     return (1, 0, literal(key))
 
 
-def assignment(value: object, target: str) -> str:
+def assignment(value: object, target: str, *, nonfinite: bool = False) -> str:
     """``target = value`` as black formats it: on one line if it fits, else split at
     the value's brackets, one element a line, recursively; a too-long atom in
-    parentheses."""
-    return "\n".join(_layout(f"{target} = ", value, "", 0, top=True))
+    parentheses. With ``nonfinite``, an infinite or NaN float is written as
+    ``float("inf")`` and the like (which ``ast.literal_eval`` cannot read back)."""
+    atom = _nonfinite_black_atom if nonfinite else _black_atom
+    return "\n".join(_layout(f"{target} = ", value, "", 0, top=True, atom=atom))
 
 
-def _layout(head: str, value: object, tail: str, depth: int, *, top: bool) -> list[str]:
+def _layout(
+    head: str,
+    value: object,
+    tail: str,
+    depth: int,
+    *,
+    top: bool,
+    atom: Callable[[object], str],
+) -> list[str]:
     indent = "    " * depth
-    flat = _render(value, _black_atom)
+    flat = _render(value, atom)
     if len(indent) + len(head) + len(flat) + len(tail) <= BLACK_LINE_LENGTH:
         return [indent + head + flat + tail]
     if not isinstance(value, list | tuple | dict) or not value:
@@ -110,7 +118,7 @@ def _layout(head: str, value: object, tail: str, depth: int, *, top: bool) -> li
         return [indent + head + flat + tail]
     opening, closing = {list: "[]", tuple: "()", dict: "{}"}[type(value)]
     items: list[tuple[str, object]] = (
-        [(_render(k, _black_atom) + ": ", v) for k, v in _sorted_items(value)]
+        [(_render(k, atom) + ": ", v) for k, v in _sorted_items(value)]
         if isinstance(value, dict)
         else [("", v) for v in value]
     )
@@ -119,12 +127,29 @@ def _layout(head: str, value: object, tail: str, depth: int, *, top: bool) -> li
     comma = "," if len(items) > 1 or isinstance(value, tuple) else ""
     lines = [indent + head + opening]
     for item_head, item in items:
-        lines += _layout(item_head, item, comma, depth + 1, top=False)
+        lines += _layout(item_head, item, comma, depth + 1, top=False, atom=atom)
     lines.append(indent + closing + tail)
     return lines
 
 
+def _check_finite(value: object) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TypeError(f"cannot render the non-finite float {value!r} as a literal")
+
+
+def _repr_atom(value: object) -> str:
+    _check_finite(value)
+    return repr(value)
+
+
+def _nonfinite_black_atom(value: object) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return f'float("{value}")'
+    return _black_atom(value)
+
+
 def _black_atom(value: object) -> str:
+    _check_finite(value)
     text = repr(value)
     if isinstance(value, float):
         # Black drops the sign of a positive exponent: 1e+16 -> 1e16.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from precompile_gen.capture_result import Backend, CaptureResult
+from precompile_gen.capture_result import Backend, CaptureResult, TensorLiteral
 from precompile_gen.render import render_artifact
 
 # Typed stand-ins for the spliced graph, which is the only part not from a template.
@@ -77,7 +77,11 @@ def stub_capture(backend: Backend) -> CaptureResult:
         user_input_strides=[None],
         user_input_symbols=[{0: "u0"}],
         user_input_values=[None],
+        aliased_inputs=[{1: (0, (1,)), 2: (4, (4, 1))}],
         graph_source=_GRAPH_STUBS[backend],
+        tensor_literals=[
+            TensorLiteral("literal0", [0.5, float("-inf")], "torch.float32", "cpu")
+        ],
         graph_imports=_EAGER_GRAPH_IMPORTS if eager else [],
         graph_in_spec=_FLAT_SPEC if eager else None,
         graph_out_spec=_FLAT_SPEC if eager else None,

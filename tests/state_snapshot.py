@@ -75,9 +75,10 @@ def named_tensors(args: Iterable[object]) -> dict[str, torch.Tensor]:
             for name, tensor in members:
                 found[f"argument {position}: {name}"] = tensor
             continue
-        for path, leaf in pytree.tree_flatten_with_path(arg)[0]:
+        # By leaf index: not every registered pytree type has key paths.
+        for index, leaf in enumerate(pytree.tree_leaves(arg)):
             if isinstance(leaf, torch.Tensor):
-                found[f"argument {position}{pytree.keystr(path)}"] = leaf
+                found[f"argument {position}, leaf {index}"] = leaf
     return found
 
 

@@ -49,6 +49,17 @@ def two_towers(
     return {"logits": head(features), "features": features, "count": 2}
 
 
+def masked_twice(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # A tensor literal (with a non-finite value) and two arguments that may alias.
+    mask = torch.tensor([0.0, float("-inf")])
+    return torch.softmax(model(x) + mask, dim=-1) * y.sum()
+
+
+def eager_literals_aliasing() -> pg.CaptureResult:
+    x = torch.randn(3, 4)
+    return pg.capture(masked_twice, _mlp(), x, x, backend="eager")
+
+
 def eager_inference() -> pg.CaptureResult:
     return pg.capture(predict, _mlp(), torch.randn(3, 4), backend="eager")
 
@@ -106,7 +117,9 @@ def inductor_inference() -> pg.CaptureResult:
         user_input_strides=[(4, 1)],
         user_input_symbols=[None],
         user_input_values=[None],
+        aliased_inputs=[],
         graph_source=(FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
+        tensor_literals=[],
         graph_imports=[],
         graph_in_spec=None,
         graph_out_spec=None,
@@ -118,6 +131,7 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
     "eager_inference": eager_inference,
     "eager_train_step": eager_train_step,
     "eager_multi_module": eager_multi_module,
+    "eager_literals_aliasing": eager_literals_aliasing,
     "inductor_inference": inductor_inference,
 }
 

@@ -125,6 +125,7 @@ def _stub_forward(call_body: str) -> object:
         user_input_shapes=[(2, 4)],
         user_input_bounds=[None],
         grad_param_indices=[],
+        aliased_inputs=[],
     )
     namespace: dict[str, object] = {}
     exec(compile(pg.render_artifact(cap), "<stub>", "exec"), namespace)

@@ -192,6 +192,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_SYMBOLS": [None, None, None],
         # The int extras["scale"] is built into the graph: calls must pass 2.
         "USER_INPUT_VALUES": [None, None, 2],
+        "ALIASED_INPUTS": [],
     }
     assert list(meta) == [
         "BACKEND",
@@ -221,6 +222,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_STRIDES",
         "USER_INPUT_SYMBOLS",
         "USER_INPUT_VALUES",
+        "ALIASED_INPUTS",
     ]
 
 

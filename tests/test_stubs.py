@@ -23,6 +23,7 @@ def test_stubs_cover_every_template() -> None:
         "metadata.py.j2",
         "driver_common.py.j2",
         "main.py.j2",
+        "tensor_literals.py.j2",
     }
     per_backend = {
         f"{b}_{part}.py.j2" for b in BACKENDS for part in ("graph", "driver")

@@ -109,9 +109,10 @@ BUFFER_NAMES: list[str] = [
 ]
 PARAM_SHAPES: list[tuple[int, ...]] = [(6, 4), (6,), (6,), (6,), (3, 6), (3,)]
 BUFFER_SHAPES: list[tuple[int, ...]] = [(6,), (6,), ()]
-# Strides of the example tensors; the inductor backend specialises on them.
-PARAM_STRIDES: list[tuple[int, ...]] = [(4, 1), (1,), (1,), (1,), (6, 1), (1,)]
-BUFFER_STRIDES: list[tuple[int, ...]] = [(1,), (1,), ()]
+# Strides of the example tensors where the compiled graph depends on them (the
+# inductor backend, for each tensor its kernels read); None where it does not.
+PARAM_STRIDES: list[tuple[int, ...] | None] = [(4, 1), (1,), (1,), (1,), (6, 1), (1,)]
+BUFFER_STRIDES: list[tuple[int, ...] | None] = [(1,), (1,), ()]
 PARAM_DTYPES: list[str] = [
     "torch.float32",
     "torch.float32",
@@ -146,13 +147,18 @@ USER_INPUT_SHAPES: list[tuple[int | None, ...] | None] = [(5, 4)]
 USER_INPUT_DTYPES: list[str | None] = ["torch.float32"]
 USER_INPUT_DEVICES: list[str | None] = ["cpu"]
 USER_INPUT_BOUNDS: list[dict[int, tuple[int | None, int | None]] | None] = [None]
-# Per leaf: strides (None for a non-tensor leaf or one with dynamic dims), and the
-# symbol of each dynamic dim; dims that share a symbol must have equal sizes.
+# Per leaf: strides where the compiled graph depends on them (None for a non-tensor
+# leaf, one with dynamic dims, or one the kernels never read), and the symbol of each
+# dynamic dim; dims that share a symbol must have equal sizes.
 USER_INPUT_STRIDES: list[tuple[int, ...] | None] = [(4, 1)]
 USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None]
 # Per leaf: the value of a bool, int, float or str leaf, built into the graph as a
 # constant, so each call must pass the same; None for tensors and other values.
 USER_INPUT_VALUES: list[bool | int | float | str | None] = [None]
+# Groups of graph inputs (indices into [*params, *buffers, *input leaves]) that shared
+# one storage at capture, e.g. a tensor passed twice, each member with its (storage
+# offset, strides) there. The graph was traced for exactly this aliasing.
+ALIASED_INPUTS: list[dict[int, tuple[int, tuple[int, ...]]]] = []
 
 # ====================================================================================
 # 3. Driver: validate the call, run the graph, scatter gradients
@@ -228,6 +234,12 @@ def _leaf_signature(index: int) -> tuple[torch.Size, torch.dtype, torch.device] 
 _LEAF_SIGNATURES: list[tuple[torch.Size, torch.dtype, torch.device] | None] = [
     _leaf_signature(index) for index in range(len(USER_INPUT_SHAPES))
 ]
+# Inputs that shared a storage at capture: each member's position among the graph's
+# inputs, mapped to its group's first position.
+_ALIAS_OWNER: dict[int, int] = {
+    position: min(group) for group in ALIASED_INPUTS for position in group
+}
+_NUM_STATE: int = len(_STATE_NAMES)
 # The leaves with dynamic dims: (leaf index, {dim: symbol}).
 _LEAF_SYMBOLS: list[tuple[int, dict[int, str]]] = [
     (index, symbols) for index, symbols in enumerate(USER_INPUT_SYMBOLS) if symbols
@@ -236,9 +248,31 @@ _LEAF_SYMBOLS: list[tuple[int, dict[int, str]]] = [
 
 def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
     """Name an input leaf by where it sits in the call, e.g. "argument 1['x'][0]"."""
-    path = pytree.tree_flatten_with_path(user_inputs)[0][leaf_index][0]
-    position = _USER_POSITIONS[getattr(path[0], "idx", 0)]
-    return f"argument {position}{pytree.keystr(path[1:])}"
+    names = [
+        f"argument {position}{path}"
+        for position, argument in zip(_USER_POSITIONS, user_inputs)
+        for path in _leaf_paths(argument)
+    ]
+    return names[leaf_index]
+
+
+def _leaf_paths(tree: object) -> list[str]:
+    # Key paths as pytree.keystr writes them; by position for a node type registered
+    # without flatten_with_keys_fn, where tree_flatten_with_path would raise.
+    if pytree.tree_is_leaf(tree):
+        return [""]
+    node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
+    keyed: list[tuple[Any, object]]
+    if node.flatten_with_keys_fn is not None:
+        keyed = node.flatten_with_keys_fn(tree)[0]
+    else:
+        children = node.flatten_fn(tree)[0]
+        keyed = [(pytree.SequenceKey(i), child) for i, child in enumerate(children)]
+    return [
+        pytree.keystr((key,)) + path
+        for key, child in keyed
+        for path in _leaf_paths(child)
+    ]
 
 
 def _reject_keywords(keywords: dict[str, object]) -> NoReturn:
@@ -532,6 +566,110 @@ def _describe_mode_difference(
     )
 
 
+class _CheckedState:
+    """The modules' tensors, in graph-input order, after the full check; and which of
+    them share a storage, which each call's inputs are compared with."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        # Storage pointer -> first position using it; position -> that first position,
+        # for the positions that share one.
+        self.storage_owner: dict[int, int] = {}
+        self.sharing: dict[int, int] = {}
+        for position, tensor in enumerate(tensors):
+            pointer = tensor.untyped_storage().data_ptr()
+            if not pointer:  # an empty storage: nothing to see through another
+                continue
+            owner = self.storage_owner.setdefault(pointer, position)
+            if owner != position:
+                self.sharing[position] = owner
+                self.sharing[owner] = owner
+
+
+def _check_aliasing(
+    args: tuple[object, ...], state: _CheckedState, leaves: list[object]
+) -> None:
+    """The graph was traced, and compiled, for the aliasing among its inputs at
+    capture (make_fx reads a tensor passed twice as one input; views of one storage
+    are compiled as one base at fixed offsets): hold the call to it."""
+    sharing = dict(state.sharing)
+    leaf_owners: dict[int, int] = {}
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        pointer = leaf.untyped_storage().data_ptr()
+        if not pointer:
+            continue
+        position = _NUM_STATE + index
+        owner = state.storage_owner.get(pointer)
+        if owner is None:
+            owner = leaf_owners.setdefault(pointer, position)
+        if owner != position:
+            sharing[position] = owner
+            sharing[owner] = owner
+    if sharing != _ALIAS_OWNER:
+        _fail(_describe_aliasing_difference(args, sharing))
+    inputs = [*state.tensors, *leaves]
+    for group in ALIASED_INPUTS:
+        for position, (offset, strides) in group.items():
+            tensor = cast(torch.Tensor, inputs[position])
+            if tensor.storage_offset() != offset or any(
+                size > 1 and got != want
+                for size, got, want in zip(tensor.shape, tensor.stride(), strides)
+            ):
+                others = _input_names(args, sorted(set(group) - {position}))
+                _fail(
+                    f"{_input_names(args, [position])} shares a storage with "
+                    f"{others} as at capture, but at offset {tensor.storage_offset()} "
+                    f"with strides {tuple(tensor.stride())} in it, where the graph "
+                    f"was traced with offset {offset} and strides {strides}. Pass "
+                    "views at the example's offsets, or capture again with these."
+                )
+
+
+def _describe_aliasing_difference(
+    args: tuple[object, ...], sharing: dict[int, int]
+) -> str:
+    # Error path only: name the first group that differs, in the words of the call.
+    now = _groups(sharing)
+    then = _groups(_ALIAS_OWNER)
+    for members in now:
+        if members not in then:
+            return (
+                f"{_input_names(args, members)} share one storage in this call (the "
+                "same tensor, or views of one), but did not at capture, and the graph "
+                "may write through one of them and read another. Pass separate "
+                "tensors (.clone() one of them), or capture again with this aliasing."
+            )
+    members = next(members for members in then if members not in now)
+    return (
+        f"{_input_names(args, members)} were one tensor (or views of one storage) at "
+        "capture, and the graph was traced and compiled as such, but they do not "
+        "share one storage in this call. Pass them as at capture (the same tensor, "
+        "or views of one), or capture again with separate tensors."
+    )
+
+
+def _groups(sharing: dict[int, int]) -> list[list[int]]:
+    members: dict[int, list[int]] = {}
+    for position, owner in sorted(sharing.items()):
+        members.setdefault(owner, []).append(position)
+    return list(members.values())
+
+
+def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
+    user_inputs = tuple(args[i] for i in _USER_POSITIONS)
+    names = []
+    for position in positions:
+        if position < _NUM_STATE:
+            names.append(f"the model's {_STATE_NAMES[position]!r}")
+        else:
+            names.append(_leaf_name(user_inputs, position - _NUM_STATE))
+    if len(names) == 1:
+        return names[0]
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
 # --- The fast path for an unchanged model ------------------------------------------
 # The full check of the model walks every module and compares every tensor, which
 # costs more than a small graph's run. So what it established is remembered with
@@ -584,7 +722,7 @@ class _Remembered:
         self,
         modules: list[torch.nn.Module],
         descendants: list[torch.nn.Module],
-        tensors: list[torch.Tensor],
+        state: _CheckedState,
     ) -> None:
         assert _GUARD_PRIMITIVES is not None
         tensor_guards, self.dict_version = _GUARD_PRIMITIVES
@@ -593,7 +731,11 @@ class _Remembered:
         # version tags cannot be reused by other objects.
         self.module_refs = [weakref.ref(module, _forget) for module in modules]
         self.descendants = descendants
-        self.tensors = tensors
+        # Which storages the tensors use is remembered with them: replacing a
+        # tensor's storage in place (``.data = ...`` with the same shape) is the one
+        # change the signals below do not see.
+        self.state = state
+        tensors = self.tensors = state.tensors
         self.versions = self.member_versions(modules)
         self.modes = self.training_modes(modules)
         self.tensor_guard = tensor_guards(
@@ -626,23 +768,26 @@ class _Remembered:
 _remembered: _Remembered | None = None
 
 
-def _remembered_state(modules: list[torch.nn.Module]) -> list[torch.Tensor] | None:
-    """The modules' tensors if they passed the full check before and nothing it
-    relied on has changed since; otherwise None, and the full check must run."""
+def _remembered_state(modules: list[torch.nn.Module]) -> _CheckedState | None:
+    """The modules' checked state if they passed the full check before and nothing
+    it relied on has changed since; otherwise None, and the full check must run."""
     remembered = _remembered
     if remembered is not None and remembered.holds_for(modules):
-        return remembered.tensors
+        return remembered.state
     return None
 
 
-def _remember(modules: list[torch.nn.Module], tensors: list[torch.Tensor]) -> None:
-    """Remember modules that just passed the full check, if the signals can vouch
-    for them: plain dicts (an OrderedDict reorders without a new version tag) and
-    nn.Module's own enumeration."""
+def _remember(
+    modules: list[torch.nn.Module], tensors: list[torch.Tensor]
+) -> _CheckedState:
+    """The state of modules that just passed the full check, remembered if the
+    signals can vouch for them: plain dicts (an OrderedDict reorders without a new
+    version tag) and nn.Module's own enumeration."""
     global _remembered
     _remembered = None
+    state = _CheckedState(tensors)
     if _GUARD_PRIMITIVES is None:
-        return
+        return state
     descendants = [sub for m in modules for sub in m.modules() if sub is not m]
     everything = [*modules, *descendants]
     if any(
@@ -653,11 +798,12 @@ def _remember(modules: list[torch.nn.Module], tensors: list[torch.Tensor]) -> No
         for module in everything
         for name in _ENUMERATORS
     ):
-        return
+        return state
     try:
-        _remembered = _Remembered(modules, descendants, tensors)
+        _remembered = _Remembered(modules, descendants, state)
     except Exception:  # a tensor TensorGuards cannot describe: no fast path for it
         _remembered = None
+    return state
 
 
 def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
@@ -743,16 +889,17 @@ def forward(*args: object, **keywords: object) -> object:
     if keywords:
         _reject_keywords(keywords)
     modules, leaves = _split_arguments(args)
-    tensors = _remembered_state(modules)
-    if tensors is None:
+    state = _remembered_state(modules)
+    if state is None:
         tensors, names = _module_state(modules)
         _check_module_state(modules, tensors, names)
-        _remember(modules, tensors)
+        state = _remember(modules, tensors)
+    _check_aliasing(args, state, leaves)
     # The graph already contains the backward ops it needs; recording autograd
     # history for them would only cost memory.
     with torch.no_grad():
-        flat_outputs = call([*tensors, *leaves])
-    return _finish(tensors, flat_outputs)
+        flat_outputs = call([*state.tensors, *leaves])
+    return _finish(state.tensors, flat_outputs)
 
 
 if __name__ == "__main__":
