@@ -196,11 +196,15 @@ def trace(
         if any(marks)
         else None
     )
+    num_state, num_params = len(state.tensors), state.num_params
+    aliased_inputs = aliasing.alias_groups([*state.tensors, *user_leaves])
     if symbolic is None:
         flat_args = aliasing.copies_for_trace([*state.tensors, *user_leaves])
     else:
+        _reject_symbolic_aliasing(
+            aliased_inputs, [*state.tensors, *user_leaves], [{}] * num_state + marks
+        )
         flat_args = symbolic.flat_args
-    num_state, num_params = len(state.tensors), state.num_params
     harvest: dict[str, Any] = {}
     resets: grad_resets.Resets = {}
     # What fn itself raised while traced: it reaches the caller unwrapped.
@@ -287,7 +291,7 @@ def trace(
         num_positional_args=len(example_inputs),
         module_training=module_training,
         state=state,
-        aliased_inputs=aliasing.alias_groups([*state.tensors, *user_leaves]),
+        aliased_inputs=aliased_inputs,
         mutated_inputs=mutated_inputs,
         constants=constants,
         grad_param_indices=harvest["grad_param_indices"],
@@ -422,6 +426,29 @@ def leaf_paths(tree: object) -> list[str]:
         for key, child in keyed
         for path in leaf_paths(child)
     ]
+
+
+def _reject_symbolic_aliasing(
+    groups: list[AliasGroup], flat: list[object], marks: list[dict[int, Any]]
+) -> None:
+    # A capture with mark_unbacked dims traces on fakes: a tensor passed twice is one
+    # fake, but views of one storage cannot be rebuilt at symbolic offsets, and the
+    # strides of a tensor with a marked dim are not fixed, so neither can alias.
+    for group in groups:
+        if len({id(flat[position]) for position in group}) > 1:
+            raise PrecompileError(
+                "two inputs are views of one storage (or a view and its base), "
+                "which a capture with mark_unbacked dims cannot trace as eager runs "
+                "it. Pass separate tensors (.clone() one of them), or leave the dims "
+                "static (do not mark them)."
+            )
+        if any(marks[position] for position in group):
+            raise PrecompileError(
+                "a tensor with a mark_unbacked dim is passed in more than one "
+                "position (or is also a parameter), which a capture with dynamic "
+                "dims cannot hold calls to. Pass it once, or pass a .clone() in the "
+                "other position."
+            )
 
 
 def _reject_nested_modules(leaves: list[object], leaf_names: list[str]) -> None:

@@ -194,11 +194,24 @@ def symbolic_inputs(
     dims_of: dict[sympy.Symbol, list[str]] = {}
     leaf_symbols: list[dict[int, str] | None] = []
     flat_args: list[object] = []
+    # A tensor passed twice is one fake with one set of symbols, as it is one copy
+    # in a static capture.
+    seen: dict[int, tuple[object, dict[int, str] | None]] = {}
     with fake_mode:
-        flat_args.extend(_fake_copy(fake_mode, t) for t in state_tensors)
+        for tensor in state_tensors:
+            fake = _fake_copy(fake_mode, tensor)
+            seen[id(tensor)] = (fake, None)
+            flat_args.append(fake)
         for name, leaf, leaf_marks in zip(leaf_names, user_leaves, marks, strict=True):
+            if isinstance(leaf, torch.Tensor) and id(leaf) in seen:
+                fake, leaf_symbol_names = seen[id(leaf)]
+                flat_args.append(fake)
+                leaf_symbols.append(leaf_symbol_names)
+                continue
             if not leaf_marks:
-                flat_args.append(_fake_copy(fake_mode, leaf))
+                fake = _fake_copy(fake_mode, leaf)
+                seen[id(leaf)] = (fake, None)
+                flat_args.append(fake)
                 leaf_symbols.append(None)
                 continue
             tensor = cast(torch.Tensor, leaf)
@@ -236,7 +249,9 @@ def symbolic_inputs(
                 device=tensor.device,
                 memory_format=_marked_memory_format(tensor, name),
             )
-            flat_args.append(fake.requires_grad_(tensor.requires_grad))
+            fake.requires_grad_(tensor.requires_grad)
+            seen[id(leaf)] = (fake, leaf_symbols[-1])
+            flat_args.append(fake)
     declared: set[sympy.Basic] = {
         assertion.expr
         for assertions in shape_env.deferred_runtime_asserts.values()

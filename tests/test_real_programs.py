@@ -436,3 +436,28 @@ def test_a_copied_model_reads_its_own_literals() -> None:
     with torch.no_grad():
         other.bias.add_(1.0)
     torch.testing.assert_close(forward(other, x), masked_scores(other, x))
+
+
+# --- Aliasing with mark_unbacked dims -----------------------------------------------
+
+
+def test_marked_tensor_passed_twice_is_rejected_at_capture() -> None:
+    x = torch.randn(3, 4)
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    model = make_scale()
+    snapshot = StateSnapshot(model, x)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(double_then_add, model, x, x)
+    assert "passed in more than one position" in str(caught.value)
+    assert "pass a .clone() in the other position" in str(caught.value)
+    snapshot.assert_unchanged()
+
+
+def test_views_of_one_storage_with_marked_dims_are_rejected_at_capture() -> None:
+    base = torch.randn(8, 4)
+    a, b = base[0:4], base[2:6]
+    torch._dynamo.decorators.mark_unbacked(a, 0)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(double_then_add, make_scale(), a, b)
+    assert "views of one storage" in str(caught.value)
+    assert ".clone() one of them" in str(caught.value)
