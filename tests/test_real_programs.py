@@ -204,6 +204,24 @@ def test_parameter_also_passed_as_input(backend: str) -> None:
     )
 
 
+def test_aliasing_made_by_replacing_a_parameter_s_data_is_seen(
+    separate_artifact: Callable[..., object], backend: str
+) -> None:
+    # The first call remembers the model; `.data = ...` with the same shape keeps
+    # every other signal the driver remembers it by.
+    model = make_scale()
+    a, b = torch.randn(4), torch.randn(4, 4)
+    separate_artifact(model, a, b[0])
+    model.weight.data = b
+    assert_rejected(
+        separate_artifact,
+        model,
+        a,
+        b[0],
+        match=["the model's 'weight' and argument 2 share one storage in this call"],
+    )
+
+
 # --- 2. Pytree types registered without key paths -----------------------------------
 
 

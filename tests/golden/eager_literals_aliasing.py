@@ -676,6 +676,7 @@ def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
 # changes its dict's version tag); and each tensor's type, dtype, device, shape,
 # strides and requires_grad as they were (``.to()``, ``.data = ...`` and
 # ``requires_grad_()`` change those in place), read by torch's C++ guard primitives;
+# each tensor's data pointer (``.data = ...`` with the same shape moves only that);
 # and each module's ``training`` flag as it was. A call that any signal fails gets the
 # full check again.
 
@@ -684,6 +685,7 @@ _MEMBER_DICTS = attrgetter("_parameters", "_buffers", "_modules")
 # ... as long as no module overrides how nn.Module enumerates them.
 _ENUMERATORS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
 _TRAINING = attrgetter("training")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _guard_primitives() -> tuple[Any, Any] | None:
@@ -729,11 +731,11 @@ class _Remembered:
         # version tags cannot be reused by other objects.
         self.module_refs = [weakref.ref(module, _forget) for module in modules]
         self.descendants = descendants
-        # Which storages the tensors use is remembered with them: replacing a
-        # tensor's storage in place (``.data = ...`` with the same shape) is the one
-        # change the signals below do not see.
         self.state = state
         tensors = self.tensors = state.tensors
+        # Which storages the tensors use (their aliasing with the inputs depends on
+        # it): ``.data = ...`` or ``set_()`` with the same shape changes only this.
+        self.data_ptrs = list(map(_DATA_PTR, tensors))
         self.versions = self.member_versions(modules)
         self.modes = self.training_modes(modules)
         self.tensor_guard = tensor_guards(
@@ -760,6 +762,7 @@ class _Remembered:
             self.member_versions(modules) == self.versions
             and self.training_modes(modules) == self.modes
             and bool(self.tensor_guard.check(*self.tensors))
+            and list(map(_DATA_PTR, self.tensors)) == self.data_ptrs
         )
 
 
