@@ -590,12 +590,21 @@ def _check_aliasing(
     """The graph was traced, and compiled, for the aliasing among its inputs at
     capture (make_fx reads a tensor passed twice as one input; views of one storage
     are compiled as one base at fixed offsets): hold the call to it."""
+    # An empty storage (pointer 0) is no storage: nothing can be seen through it.
+    pointers = [
+        leaf.untyped_storage().data_ptr() if isinstance(leaf, torch.Tensor) else 0
+        for leaf in leaves
+    ]
+    used = [pointer for pointer in pointers if pointer]
+    if not _ALIAS_OWNER and not state.sharing:
+        # The usual case, nothing shared at capture: distinct storages, none the
+        # model's, is all there is to check.
+        distinct = set(used)
+        if len(distinct) == len(used) and distinct.isdisjoint(state.storage_owner):
+            return
     sharing = dict(state.sharing)
     leaf_owners: dict[int, int] = {}
-    for index, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        pointer = leaf.untyped_storage().data_ptr()
+    for index, pointer in enumerate(pointers):
         if not pointer:
             continue
         position = _NUM_STATE + index
