@@ -228,6 +228,7 @@ def trace(
         grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat, leaf_names)
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
+        _reject_opaque_results(result, result_leaves, fn_name)
         harvest["grad_param_indices"] = [
             i for i, g in enumerate(grads) if g is not None
         ]
@@ -448,6 +449,38 @@ def _reject_symbolic_aliasing(
                 "position (or is also a parameter), which a capture with dynamic "
                 "dims cannot hold calls to. Pass it once, or pass a .clone() in the "
                 "other position."
+            )
+
+
+# What a graph can return as a leaf of the function's result.
+_RESULT_LEAF_TYPES = (
+    torch.Tensor,
+    bool,
+    int,
+    float,
+    str,
+    type(None),
+    torch.SymInt,
+    torch.SymFloat,
+    torch.SymBool,
+    torch.dtype,
+    torch.device,
+)
+
+
+def _reject_opaque_results(result: object, leaves: list[object], fn_name: str) -> None:
+    # Any other object (a library's cache object, say) is neither a tensor nor a
+    # container pytree can open; make_fx would fail on it with a bare type name.
+    for path, leaf in zip(leaf_paths(result), leaves, strict=True):
+        if not isinstance(leaf, _RESULT_LEAF_TYPES):
+            where = f"at {path}" if path else "as a whole"
+            raise PrecompileError(
+                f"{fn_name!r} returns an object of type {type(leaf).__name__} {where}, "
+                "which is neither a tensor nor a container torch.utils._pytree can "
+                "open: an artifact returns tensors, Python scalars and tuples, lists "
+                "and dicts of them. Return the tensors you need (for a transformers "
+                "model, pass use_cache=False to leave its cache out of the output), "
+                "or register the type with torch.utils._pytree.register_pytree_node."
             )
 
 

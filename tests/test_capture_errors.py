@@ -458,3 +458,27 @@ def test_every_rejection_keeps_fully_populated_grads(x: torch.Tensor) -> None:
         if tensor.is_floating_point():
             tensor.grad = torch.randn_like(tensor)
     assert_capture_rejected(train_step, model, x, match=["buffer 'gain'"])
+
+
+class OpaqueCache:
+    """A library object that is not a pytree container."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_result_holding_an_opaque_object(model: nn.Module, x: torch.Tensor) -> None:
+    def with_cache(model: nn.Module, x: torch.Tensor) -> dict[str, object]:
+        out = model(x)
+        return {"out": out, "cache": OpaqueCache(out)}
+
+    assert_capture_rejected(
+        with_cache,
+        model,
+        x,
+        match=[
+            "'with_cache' returns an object of type OpaqueCache at ['cache']",
+            "use_cache=False",
+            "register_pytree_node",
+        ],
+    )
