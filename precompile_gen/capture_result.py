@@ -66,6 +66,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_SYMBOLS",
     "USER_INPUT_VALUES",
     "ALIASED_INPUTS",
+    "KERNEL_BINARIES",
 )
 # Per group of graph inputs that shared one storage at capture: each member's index
 # among ``[*params, *buffers, *user_input_leaves]``, with its (storage offset, strides).
@@ -159,6 +160,11 @@ class CaptureResult:
     graph_imports: list[str]
     graph_in_spec: str | None
     graph_out_spec: str | None
+
+    # The native code the artifact accepts from a cache: each kernel binary's file
+    # key (relative to inductor's cache folder) and sha256. A cache is only code
+    # nobody reads; the artifact, which people review, decides what of it may run.
+    kernel_binaries: dict[str, str]
 
     # What the cache carries to skip compilation on reload (None for eager): plain
     # data that torch.load(weights_only=True) reads back.

@@ -108,6 +108,7 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
         "user_inputs": _user_inputs(metadata),
         "output": _output(metadata),
         "graph": _graph(section_statements(module, graph)),
+        "kernel_binaries": _pinned_binaries(metadata),
         "sections": [
             {
                 "key": section.key,
@@ -239,6 +240,18 @@ def format_report(report: dict[str, Any]) -> str:
                 break_on_hyphens=False,
             )
         )
+    pinned = report["kernel_binaries"]
+    if pinned:
+        out.append(
+            f"  pinned binaries    {_count(len(pinned), 'file')} a cache may bring "
+            "(KERNEL_BINARIES):"
+        )
+        out.extend(
+            f"                     {b['file']}  sha256 {b['sha256'][:16]}..."
+            for b in pinned
+        )
+    elif report["backend"] == "inductor":
+        out.append("  pinned binaries    none: kernels always compile from source")
     out.append("")
     out.append("sections")
     out.extend(
@@ -251,6 +264,18 @@ def format_report(report: dict[str, Any]) -> str:
         )
     )
     return "\n".join(out) + "\n"
+
+
+def _pinned_binaries(metadata: dict[str, object]) -> list[dict[str, str]]:
+    # The artifact is untrusted text here: show only well-formed entries.
+    pinned = metadata.get("KERNEL_BINARIES")
+    if not isinstance(pinned, dict):
+        return []
+    return [
+        {"file": name, "sha256": digest}
+        for name, digest in sorted(pinned.items(), key=str)
+        if isinstance(name, str) and isinstance(digest, str)
+    ]
 
 
 def _extra_keys(rows: list[dict[str, Any]], shown: set[str]) -> list[str]:

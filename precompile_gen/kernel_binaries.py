@@ -127,6 +127,38 @@ def collect(graph_source: str) -> dict[str, object]:
     }
 
 
+def digests(payload: dict[str, object] | None) -> dict[str, str]:
+    """Each binary's sha256 by file key, as the artifact pins them ({} without)."""
+    if payload is None:
+        return {}
+    manifest = payload["sha256"]
+    assert isinstance(manifest, dict)
+    return {str(name): str(digest) for name, digest in manifest.items()}
+
+
+def unpinned(payload: dict[str, object], pinned: object) -> str | None:
+    """Why ``payload`` (an intact one) brings native code that ``pinned``, the
+    artifact's KERNEL_BINARIES, does not name; None when every binary is named
+    there with its digest."""
+    files, manifest = payload["files"], payload["sha256"]
+    assert isinstance(files, dict) and isinstance(manifest, dict)
+    if not isinstance(pinned, dict):
+        return "the artifact's KERNEL_BINARIES is not a dict of digests"
+    for name in files:
+        if name not in pinned:
+            return (
+                f"it brings the binary {describe_untrusted(name)}, which the "
+                "artifact's KERNEL_BINARIES does not list"
+            )
+        if pinned[name] != manifest[name]:
+            return (
+                f"its binary {name} is not the one the artifact's KERNEL_BINARIES "
+                f"pins (sha256 {describe_untrusted(manifest[name])}, pinned "
+                f"{describe_untrusted(pinned[name])})"
+            )
+    return None
+
+
 def check_cache_folder() -> None:
     """Fail clearly if TORCHINDUCTOR_CACHE_DIR names a folder that cannot be created.
 
@@ -146,13 +178,25 @@ def check_cache_folder() -> None:
         ) from error
 
 
-def prime(payload: object) -> bool:
-    """Write the payload's binaries into the inductor cache folder.
+def prime(payload: object, pinned: object, *, signed: bool = False) -> bool:
+    """Write the payload's binaries into the inductor cache folder, if the artifact
+    pins each of them (``pinned``: its KERNEL_BINARIES).
 
     Returns whether the artifact should be executed under ``loading_config()``;
-    False (after a logged warning) when the payload cannot be used here.
+    False (after a logged warning) when the payload cannot be used here. A signed
+    pair whose cache brings a binary the artifact does not pin was tampered with:
+    that is a PrecompileError.
     """
     reason = _unusable(payload)
+    if reason is None:
+        assert isinstance(payload, dict)
+        reason = unpinned(payload, pinned)
+        if reason is not None and signed:
+            raise PrecompileError(
+                f"the signed cache's kernel binaries are not the ones the artifact "
+                f"names: {reason}. The pair was altered after it was signed, or "
+                "signed as two files that do not belong together; precompile again."
+            )
     if reason is not None:
         log.warning(
             "precompile_gen.load: not using the cache's compiled kernels: %s. The "

@@ -157,7 +157,9 @@ def load(
     if backend != "inductor":
         return _execute(text, filename, signed=signed)
     kernel_binaries.check_cache_folder()
-    primed = artifact is not None and kernel_binaries.prime(artifact)
+    primed = artifact is not None and kernel_binaries.prime(
+        artifact, metadata["KERNEL_BINARIES"], signed=signed
+    )
     # Executing inductor's module compiles or loads its kernels through
     # process-global compiler state, as lowering does; the two take turns.
     lock = kernel_binaries.TORCH_STATE_LOCK

@@ -87,6 +87,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         graph_imports=graph_imports,
         graph_in_spec=graph_in_spec,
         graph_out_spec=graph_out_spec,
+        kernel_binaries=kernel_binaries.digests(cache_artifact),
         cache_artifact=cache_artifact,
     )
 

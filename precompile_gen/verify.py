@@ -44,7 +44,9 @@ def verify_pair(
         "kernel_binaries": None,
     }
     if backend == "inductor" and payload is not None:
-        report["kernel_binaries"] = _check_binaries(payload)
+        report["kernel_binaries"] = _check_binaries(
+            payload, metadata["KERNEL_BINARIES"]
+        )
     return report
 
 
@@ -69,7 +71,8 @@ def format_report(report: dict[str, Any], artifact: str, cache: str) -> str:
         lines.append(
             f"  kernel binaries  {binaries['files']} "
             f"file{'' if binaries['files'] == 1 else 's'}, "
-            f"{binaries['bytes']:,} bytes, sha256 ok; {here}"
+            f"{binaries['bytes']:,} bytes, sha256 ok, each pinned by the artifact's "
+            f"KERNEL_BINARIES; {here}"
         )
     elif report["backend"] == "inductor":
         lines.append("  kernel binaries  none: load compiles the kernels from source")
@@ -84,7 +87,7 @@ def _signature_state(envelope: dict[str, Any], key: bytes | None) -> str:
     return "none (the pair was not signed)"
 
 
-def _check_binaries(payload: object) -> dict[str, Any]:
+def _check_binaries(payload: object, pinned: object) -> dict[str, Any]:
     damage = kernel_binaries.damaged(payload)
     if damage is not None:
         raise PrecompileError(
@@ -92,6 +95,13 @@ def _check_binaries(payload: object) -> dict[str, Any]:
             "damaged or made by another tool. Write the pair again with precompile()."
         )
     assert isinstance(payload, dict)
+    foreign = kernel_binaries.unpinned(payload, pinned)
+    if foreign is not None:
+        raise PrecompileError(
+            f"the cache's kernel binaries are not the ones the artifact names: "
+            f"{foreign}. load() would not use them (and refuses a signed pair); "
+            "write the pair again with precompile()."
+        )
     files = payload["files"]
     here = kernel_binaries.build_fingerprint()
     return {

@@ -454,8 +454,15 @@ def test_verify_checks_the_signature_with_a_key(
 def test_verify_checks_the_kernel_binaries_digests(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = _golden("inductor_inference")
     name = "ab/c" + "a" * 51 + ".main.so"
+    digest = hashlib.sha256(b"binary").hexdigest()
+    # The golden pins no binary; this artifact pins the one its cache carries.
+    unpinned_code = _golden("inductor_inference")
+    code = unpinned_code.replace(
+        "KERNEL_BINARIES: dict[str, str] = {}",
+        f"KERNEL_BINARIES: dict[str, str] = {{{name!r}: {digest!r}}}",
+    )
+    assert code != unpinned_code
     payload: dict[str, object] = {
         "kind": kernel_binaries.PAYLOAD_KIND,
         "build": {},
@@ -477,7 +484,10 @@ def test_verify_checks_the_kernel_binaries_digests(
     result, out, err = _cli(capsys, "verify", step, cache)
     assert result == 0, err
     # Built for no known environment: load would compile from source instead.
-    assert "kernel binaries  1 file, 6 bytes, sha256 ok; built elsewhere (" in out
+    assert (
+        "kernel binaries  1 file, 6 bytes, sha256 ok, each pinned by the artifact's "
+        "KERNEL_BINARIES; built elsewhere (" in out
+    )
     result, out, err = _cli(capsys, "verify", step, str(tmp_path / "bare.cache"))
     assert result == 0, err
     assert "kernel binaries  none: load compiles the kernels from source" in out
@@ -487,6 +497,16 @@ def test_verify_checks_the_kernel_binaries_digests(
     result, _, err = _cli(capsys, "verify", step, str(tmp_path / "escaping.cache"))
     _assert_one_line_error(result, err, "verify", 1, "unexpected file")
     assert "Write the pair again with precompile()" in err
+    # A binary the artifact does not pin: load would not use it.
+    unpinned, cache = _pair(
+        tmp_path,
+        "unpinned",
+        unpinned_code,
+        build_cache(unpinned_code, "inductor", payload),
+    )
+    result, _, err = _cli(capsys, "verify", unpinned, cache)
+    _assert_one_line_error(result, err, "verify", 1, "KERNEL_BINARIES does not list")
+    assert "write the pair again with precompile()" in err
 
 
 # --- diff -------------------------------------------------------------------------

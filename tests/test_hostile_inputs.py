@@ -539,7 +539,8 @@ def _check_read_cache(
                 assert artifact is None
                 assert len(warnings_seen.about("not a dict")) == 1
         if backend == "inductor" and artifact is not None:
-            assert isinstance(kernel_binaries.prime(artifact), bool)
+            pinned = pg.parse_metadata(python_code)["KERNEL_BINARIES"]
+            assert isinstance(kernel_binaries.prime(artifact, pinned), bool)
 
     try:
         signed = read_cache(cache, python_code=python_code, backend=backend, key=KEY)
@@ -827,6 +828,8 @@ def test_fuzz_priming_hostile_kernel_payloads(
     # Straight to prime (what load calls after the pairing check), so values no
     # pickle round trip would keep, such as 100,000-deep nesting, are covered too.
     deep = _deep_list(100_000)
+    pinned = pg.parse_metadata(subject.inductor_code)["KERNEL_BINARIES"]
+    assert isinstance(pinned, dict) and pinned
 
     def check(case: Any) -> None:
         edits, nest_deeply = case
@@ -842,11 +845,13 @@ def test_fuzz_priming_hostile_kernel_payloads(
             for name in (files if isinstance(files, dict) else {})
             if isinstance(name, str) and (inductor_cache_dir / name).is_file()
         }
-        used = kernel_binaries.prime(payload)
+        used = kernel_binaries.prime(payload, pinned)
         assert isinstance(used, bool)
         if used:
             assert isinstance(files, dict)
             for name, data in files.items():
+                # Only what the artifact pins is ever written.
+                assert pinned.get(name) == hashlib.sha256(data).hexdigest()
                 # A binary already cached under the same key is kept as it was.
                 expected = before.get(name, data)
                 assert (inductor_cache_dir / name).read_bytes() == expected
@@ -1054,7 +1059,8 @@ def test_corpus_a_deep_payload_in_the_kernel_fingerprint(
     assert isinstance(payload, dict) and isinstance(payload["build"], dict)
     payload["build"]["torch"] = _deep_list(_DEPTH)
     warnings_seen.messages.clear()
-    assert kernel_binaries.prime(payload) is False
+    pinned = pg.parse_metadata(subject.inductor_code)["KERNEL_BINARIES"]
+    assert kernel_binaries.prime(payload, pinned) is False
     (message,) = warnings_seen.messages
     assert "different environment" in message and len(message) < 2000
     assert not list(inductor_cache_dir.rglob("*.so"))

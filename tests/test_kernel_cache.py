@@ -118,24 +118,10 @@ def _binaries_after_fresh_process(
 ) -> dict[str, bytes]:
     """Load and run the pair in a new interpreter with an empty inductor cache
     folder; return the binaries that folder holds afterwards."""
-    (tmp_path / "code.py").write_text(code, encoding="utf-8")
-    (tmp_path / "cache.bin").write_bytes(cache)
-    cache_dir = tmp_path / "inductor-cache"
-    script = _CHILD.format(
-        tests=str(Path(__file__).parent),
-        code=str(tmp_path / "code.py"),
-        cache=str(tmp_path / "cache.bin"),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)},
-        check=False,
-        timeout=600,
-    )
+    done = _load_in_fresh_process(tmp_path, code, cache)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "loss" in json.loads(done.stdout.strip().splitlines()[-1])
+    cache_dir = tmp_path / "inductor-cache"
     return {
         path.relative_to(cache_dir).as_posix(): path.read_bytes()
         for path in cache_dir.rglob("*.so")
@@ -253,7 +239,8 @@ def test_priming_writes_the_binaries_under_their_keys(
 ) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     payload = _payload(pair)
-    assert kernel_binaries.prime(payload)
+    pinned = kernel_binaries.digests(payload)
+    assert kernel_binaries.prime(payload, pinned)
     files = payload["files"]
     assert isinstance(files, dict)
     for name, data in files.items():
@@ -261,7 +248,7 @@ def test_priming_writes_the_binaries_under_their_keys(
         is_probe = not name.endswith(".main.so")
         assert (tmp_path / f"{name}.load_ok").is_file() == is_probe
     # Priming again leaves the existing files alone.
-    assert kernel_binaries.prime(payload)
+    assert kernel_binaries.prime(payload, pinned)
 
 
 def test_load_leaves_inductor_config_as_it_was(pair: Pair) -> None:
@@ -340,3 +327,149 @@ def test_a_cache_folder_that_cannot_be_created_fails_clearly_in_a_fresh_process(
         assert f"TORCHINDUCTOR_CACHE_DIR is {str(blocked / 'inductor')!r}" in line
         assert "Set it to a folder this process can write to" in line
     assert blocked.read_bytes() == b""
+
+
+# --- The artifact decides which native code a cache may bring -----------------------
+
+_HOSTILE_SOURCE = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void mark_loaded(void) {
+    const char *path = getenv("PRECOMPILE_GEN_TEST_MARKER");
+    FILE *file = path ? fopen(path, "w") : NULL;
+    if (file) { fputs("loaded", file); fclose(file); }
+}
+"""
+_KEY = b"precompile_gen trust test key"
+
+
+@pytest.fixture(scope="module")
+def hostile_binary(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A valid shared library that writes a marker file when it is loaded."""
+    folder = tmp_path_factory.mktemp("hostile")
+    source, binary = folder / "hostile.c", folder / "hostile.so"
+    source.write_text(_HOSTILE_SOURCE, encoding="utf-8")
+    subprocess.run(
+        ["g++", "-x", "c", "-shared", "-fPIC", str(source), "-o", str(binary)],
+        check=True,
+        capture_output=True,
+    )
+    return binary.read_bytes()
+
+
+def _with_binary(pair: Pair, name: str, data: bytes) -> dict[str, object]:
+    """The pair's payload with ``data`` under ``name``, its manifest consistent."""
+    payload = copy.deepcopy(_payload(pair))
+    files, digests = payload["files"], payload["sha256"]
+    assert isinstance(files, dict) and isinstance(digests, dict)
+    files[name] = data
+    digests[name] = hashlib.sha256(data).hexdigest()
+    return payload
+
+
+def _listed_name(pair: Pair) -> str:
+    files = _payload(pair)["files"]
+    assert isinstance(files, dict)
+    return next(name for name in files if name.endswith(".main.so"))
+
+
+_UNLISTED_NAME = "zz/c" + "z" * 51 + ".main.so"
+
+
+def test_the_hostile_binary_runs_code_when_loaded(
+    hostile_binary: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The control for the tests below: loading it is observable.
+    import ctypes
+
+    library, marker = tmp_path / "control.so", tmp_path / "marker"
+    library.write_bytes(hostile_binary)
+    monkeypatch.setenv("PRECOMPILE_GEN_TEST_MARKER", str(marker))
+    ctypes.CDLL(str(library))
+    assert marker.read_text() == "loaded"
+
+
+def test_artifact_pins_every_binary_its_cache_carries(pair: Pair) -> None:
+    pinned = pg.parse_metadata(pair.code)["KERNEL_BINARIES"]
+    assert pinned == _payload(pair)["sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["listed", "unlisted"])
+def test_a_cache_cannot_bring_a_binary_the_artifact_does_not_pin(
+    pair: Pair, hostile_binary: bytes, where: str, tmp_path: Path
+) -> None:
+    name = _listed_name(pair) if where == "listed" else _UNLISTED_NAME
+    payload = _with_binary(pair, name, hostile_binary)
+    expected = (
+        "is not the one the artifact's KERNEL_BINARIES pins"
+        if where == "listed"
+        else "which the artifact's KERNEL_BINARIES does not list"
+    )
+    # Signed, the pair was tampered with: refused before anything is written or run.
+    cache_dir = tmp_path / "signed-inductor-cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+        with pytest.raises(pg.PrecompileError) as caught:
+            pg.load(pair.code, _cache_with(pair.code, payload, key=_KEY), key=_KEY)
+    assert expected in str(caught.value) and "precompile again" in str(caught.value)
+    assert not list(cache_dir.rglob("*.so"))
+    # Unsigned, in a fresh process (nothing loaded yet): a warning, then the
+    # kernels compile from the artifact's source and the results match eager.
+    done = _load_in_fresh_process(tmp_path, pair.code, _cache_with(pair.code, payload))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert expected in done.stderr
+    assert not (tmp_path / "marker").exists(), "the cache's binary was loaded"
+    binaries = (tmp_path / "inductor-cache").rglob("*.so")
+    assert not any(path.read_bytes() == hostile_binary for path in binaries)
+
+
+@pytest.mark.slow
+def test_a_binary_the_artifact_pins_is_loaded(
+    pair: Pair, hostile_binary: bytes, tmp_path: Path
+) -> None:
+    # The control for the test above: pinned in the artifact, the same binary is
+    # primed and loaded, so its marker shows whether a binary ran.
+    name = _listed_name(pair)
+    payload = _with_binary(pair, name, hostile_binary)
+    digest = _payload(pair)["sha256"]
+    assert isinstance(digest, dict)
+    code = pair.code.replace(digest[name], hashlib.sha256(hostile_binary).hexdigest())
+    assert code != pair.code
+    _load_in_fresh_process(tmp_path, code, _cache_with(code, payload))
+    assert (tmp_path / "marker").read_text() == "loaded"
+
+
+def _cache_with(
+    code: str, payload: dict[str, object], key: bytes | None = None
+) -> bytes:
+    from precompile_gen.cache import build_cache
+
+    return build_cache(code, "inductor", payload, key=key)
+
+
+def _load_in_fresh_process(
+    tmp_path: Path, code: str, cache: bytes
+) -> subprocess.CompletedProcess[str]:
+    """Load and run the pair in a new interpreter with an empty inductor cache
+    folder (``tmp_path / "inductor-cache"``), and a marker path for a hostile
+    binary to write to."""
+    (tmp_path / "code.py").write_text(code, encoding="utf-8")
+    (tmp_path / "cache.bin").write_bytes(cache)
+    script = _CHILD.format(
+        tests=str(Path(__file__).parent),
+        code=str(tmp_path / "code.py"),
+        cache=str(tmp_path / "cache.bin"),
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache"),
+            "PRECOMPILE_GEN_TEST_MARKER": str(tmp_path / "marker"),
+        },
+        check=False,
+        timeout=600,
+    )

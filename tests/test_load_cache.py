@@ -193,6 +193,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         # The int extras["scale"] is built into the graph: calls must pass 2.
         "USER_INPUT_VALUES": [None, None, 2],
         "ALIASED_INPUTS": [],
+        "KERNEL_BINARIES": {},
     }
     assert list(meta) == [
         "BACKEND",
@@ -223,6 +224,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_SYMBOLS",
         "USER_INPUT_VALUES",
         "ALIASED_INPUTS",
+        "KERNEL_BINARIES",
     ]
 
 

@@ -5,6 +5,7 @@ writing anything from it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import hmac
 import io
@@ -191,8 +192,12 @@ def test_a_malformed_signature_is_refused(
 
 
 def _stub_inductor_pair(key: bytes | None) -> tuple[str, dict[str, object], bytes]:
-    code = pg.render_artifact(stub_capture("inductor"))
     name = "ab/c" + "a" * 51 + ".main.so"
+    # The artifact pins the one binary its cache carries.
+    pinned = {name: hashlib.sha256(b"\x7fELF binary").hexdigest()}
+    code = pg.render_artifact(
+        dataclasses.replace(stub_capture("inductor"), kernel_binaries=pinned)
+    )
     payload: dict[str, object] = {
         "kind": kernel_binaries.PAYLOAD_KIND,
         "build": kernel_binaries.build_fingerprint(),
@@ -207,7 +212,9 @@ def test_a_tampered_payload_is_refused_before_priming_kernels(
 ) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     primed: list[object] = []
-    monkeypatch.setattr(kernel_binaries, "prime", lambda p: primed.append(p) or False)
+    monkeypatch.setattr(
+        kernel_binaries, "prime", lambda p, *_, **__: primed.append(p) or False
+    )
     code, payload, cache = _stub_inductor_pair(KEY)
     envelope = _envelope(cache)
     # A binary swapped together with its digest still passes the payload's own

@@ -157,6 +157,9 @@ USER_INPUT_VALUES: list[bool | int | float | str | None] = [None, None]
 ALIASED_INPUTS: list[dict[int, tuple[int, tuple[int, ...]]]] = [
     {4: (0, (4, 1)), 5: (0, (4, 1))}
 ]
+# The compiled kernels this artifact accepts from a cache: file key (in inductor's
+# cache folder) -> sha256. load() writes no other binary, whatever the cache brings.
+KERNEL_BINARIES: dict[str, str] = {}
 
 # ====================================================================================
 # 3. Driver: validate the call, run the graph, scatter gradients
