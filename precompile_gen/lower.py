@@ -171,7 +171,14 @@ def _inductor_graph(traced: TracedGraph) -> tuple[str, dict[str, object]]:
     dynamic = any(
         shape is not None and None in shape for shape in traced.user_input_shapes
     )
-    options = {"size_asserts": True, "scalar_asserts": dynamic}
+    # fallback_random draws random numbers (dropout masks) with eager's own ops, in
+    # the graph's order: Inductor's own RNG kernels draw them in the order its
+    # scheduler picks, so a seeded call would not give eager's masks.
+    options = {
+        "size_asserts": True,
+        "scalar_asserts": dynamic,
+        "fallback_random": True,
+    }
     try:
         with _INDUCTOR_LOCK:
             # torch's own cache bundle is dropped: it does not hold the kernel
@@ -197,4 +204,17 @@ def _inductor_graph(traced: TracedGraph) -> tuple[str, dict[str, object]]:
         raise PrecompileError(
             f"the inductor backend failed to compile the captured graph: {error}. "
             "Try backend='eager' to run the captured graph without compiling it."
+        ) from error
+    except PrecompileError:
+        raise
+    except Exception as error:
+        # AOTAutograd re-traces the captured graph with its own decompositions, and
+        # a layout they disagree on with eager's kernels fails there.
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise PrecompileError(
+            "the inductor backend failed to compile the captured graph "
+            f"({type(error).__name__}: {first_line}). Capture with Inductor's own "
+            "decompositions (decompositions=torch._inductor.decomposition."
+            "select_decomp_table()), or use backend='eager' to run the captured "
+            "graph without compiling it."
         ) from error

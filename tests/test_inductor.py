@@ -191,3 +191,50 @@ def test_layout_error_on_a_late_input_changes_nothing() -> None:
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
     assert all(p.grad is None for p in model.parameters())
+
+
+class PermutedNormHead(nn.Module):
+    """LayerNorm over channels-last features, then permuted to channels-first (as
+    swin_t's head does): eager's layer-norm backward returns a contiguous gradient,
+    the decomposition AOTAutograd re-traces with keeps the permuted layout, and the
+    captured graph's view of that gradient fails when it is re-traced."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(channels, channels)
+        self.norm = nn.LayerNorm(channels)
+        self.fc = nn.Linear(channels, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.proj(x)).permute(0, 3, 1, 2)
+        return self.fc(nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def test_a_graph_inductor_cannot_retrace_is_a_precompile_error_with_the_fix() -> None:
+    torch.manual_seed(0)
+    model, x = PermutedNormHead(), torch.randn(2, 2, 2, 8)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(bn_train_step, model, x, torch.randn(2, 3))
+    message = str(caught.value)
+    assert "the inductor backend failed to compile the captured graph" in message
+    assert "select_decomp_table()" in message and "backend='eager'" in message
+    # The fix it names works, and matches eager.
+    from torch._inductor.decomposition import select_decomp_table
+
+    code, cache = pg.precompile(
+        bn_train_step,
+        model,
+        x,
+        torch.randn(2, 3),
+        decompositions=select_decomp_table(),
+    )
+    target = torch.randn(2, 3)
+    expected_model, got_model = copy.deepcopy(model), copy.deepcopy(model)
+    torch.testing.assert_close(
+        pg.load(code, cache)(got_model, x, target),
+        bn_train_step(expected_model, x, target),
+    )
+    for got, want in zip(
+        got_model.parameters(), expected_model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(got.grad, want.grad)

@@ -74,25 +74,25 @@ def tokens(labels: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randint(0, labels, (2,), generator=generator)
 
 
-# Each builder takes ``random_layers``: whether the layers that draw random numbers in
-# train mode (dropout, stochastic depth) keep their default probabilities or get 0.
+# Each builder keeps the layers that draw random numbers in train mode (dropout,
+# stochastic depth) at their default probabilities.
 
 
-def resnet18(random_layers: bool) -> nn.Module:
+def resnet18() -> nn.Module:
     pytest.importorskip("torchvision")
     from torchvision.models import resnet18
 
     return resnet18(num_classes=10)
 
 
-def mobilenet_v3_small(random_layers: bool) -> nn.Module:
+def mobilenet_v3_small() -> nn.Module:
     pytest.importorskip("torchvision")
     from torchvision.models import mobilenet_v3_small
 
-    return mobilenet_v3_small(num_classes=10, dropout=0.2 if random_layers else 0.0)
+    return mobilenet_v3_small(num_classes=10)
 
 
-def torchvision_vit(random_layers: bool) -> nn.Module:
+def torchvision_vit() -> nn.Module:
     pytest.importorskip("torchvision")
     from torchvision.models import VisionTransformer
 
@@ -113,28 +113,21 @@ def torchvision_vit(random_layers: bool) -> nn.Module:
     return model
 
 
-def swin_t(random_layers: bool) -> nn.Module:
+def swin_t() -> nn.Module:
     pytest.importorskip("torchvision")
     from torchvision.models import swin_t
-    from torchvision.ops import StochasticDepth
 
     # At 64x64 the first stage's 16x16 map is larger than the 7x7 window, so the
     # shifted-window attention and its mask are exercised.
-    model = swin_t(num_classes=10)
-    if not random_layers:
-        # swin_t fixes stochastic_depth_prob (0.2) itself; each block keeps its own.
-        for module in model.modules():
-            if isinstance(module, StochasticDepth):
-                module.p = 0.0
-    return model
+    return swin_t(num_classes=10)
 
 
-def convnext_atto(random_layers: bool) -> nn.Module:
+def convnext_atto() -> nn.Module:
     timm = pytest.importorskip("timm")
     return timm.create_model("convnext_atto", pretrained=False, num_classes=10)
 
 
-def timm_vit_tiny(random_layers: bool) -> nn.Module:
+def timm_vit_tiny() -> nn.Module:
     timm = pytest.importorskip("timm")
     return timm.create_model(
         "vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=10
@@ -146,11 +139,11 @@ def timm_vit_tiny(random_layers: bool) -> nn.Module:
 # included, so the plain implementation would only test a path nobody uses.
 
 
-def gpt2(random_layers: bool) -> nn.Module:
+def gpt2() -> nn.Module:
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    dropout = 0.1 if random_layers else 0.0
+    dropout = 0.1
     config = GPT2Config(
         n_layer=2,
         n_head=2,
@@ -170,11 +163,11 @@ def gpt2(random_layers: bool) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def bert(random_layers: bool) -> nn.Module:
+def bert() -> nn.Module:
     pytest.importorskip("transformers")
     from transformers import BertConfig, BertForSequenceClassification
 
-    dropout = 0.1 if random_layers else 0.0
+    dropout = 0.1
     config = BertConfig(
         num_hidden_layers=2,
         hidden_size=32,
@@ -192,14 +185,14 @@ def bert(random_layers: bool) -> nn.Module:
 @dataclass(frozen=True)
 class ZooModel:
     name: str
-    build: Callable[[bool], nn.Module]
+    build: Callable[[], nn.Module]
     # The example batch (x, y) for a seed.
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
     train_step: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
-    def model(self, training: bool, random_layers: bool) -> nn.Module:
+    def model(self, training: bool) -> nn.Module:
         torch.manual_seed(0)
-        model = self.build(random_layers)
+        model = self.build()
         # One forward pass in train mode on another batch, as if the model had seen
         # data: BatchNorm's running statistics are no longer their initial zeros and
         # ones, so eval mode reads buffers that matter.
@@ -367,18 +360,14 @@ def case(request: pytest.FixtureRequest) -> tuple[ZooModel, str]:
     return ZOO[name], backend
 
 
-# On the inductor backend the models run without dropout (probabilities 0 in their
-# configs). Inductor on CPU draws each dropout mask with an ``aten.bernoulli_`` call on
-# a fresh buffer; such a call depends on nothing, and the scheduler moves it (BERT's
-# classifier mask is drawn first), so the masks come from the global generator in
-# another order than eager's and no seeding makes the results match. The eager backend
-# keeps the default probabilities and shows that the masks do match there.
+# Both backends keep the models' dropout and stochastic depth: each call is seeded,
+# and the artifact draws the same masks from the global generator as eager does.
 
 
 @pytest.fixture(scope="module")
 def training(case: tuple[ZooModel, str]) -> Compiled:
     zoo, backend = case
-    model = zoo.model(training=True, random_layers=backend == "eager")
+    model = zoo.model(training=True)
     return compile_case(backend, zoo.train_step, model, *zoo.batch(1))
 
 
@@ -386,7 +375,7 @@ def training(case: tuple[ZooModel, str]) -> Compiled:
 def inference(case: tuple[ZooModel, str]) -> Compiled:
     zoo, backend = case
     x, _ = zoo.batch(1)
-    model = zoo.model(training=False, random_layers=backend == "eager")
+    model = zoo.model(training=False)
     return compile_case(backend, predict, model, x)
 
 

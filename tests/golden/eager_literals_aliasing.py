@@ -109,8 +109,8 @@ PARAM_NAMES: list[str] = ["0.weight", "0.bias", "2.weight", "2.bias"]
 BUFFER_NAMES: list[str] = []
 PARAM_SHAPES: list[tuple[int, ...]] = [(8, 4), (8,), (2, 8), (2,)]
 BUFFER_SHAPES: list[tuple[int, ...]] = []
-# Strides of the example tensors where the compiled graph depends on them (the
-# inductor backend, for each tensor its kernels read); None where it does not.
+# Strides of the example tensors, for the record: the eager backend runs ATen's own
+# kernels, which take any layout.
 PARAM_STRIDES: list[tuple[int, ...] | None] = [(4, 1), (1,), (8, 1), (1,)]
 BUFFER_STRIDES: list[tuple[int, ...] | None] = []
 PARAM_DTYPES: list[str] = [

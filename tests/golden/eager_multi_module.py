@@ -109,8 +109,8 @@ BUFFER_NAMES: list[str] = [
 ]
 PARAM_SHAPES: list[tuple[int, ...]] = [(6, 4), (6,), (6,), (6,), (3, 6), (3,)]
 BUFFER_SHAPES: list[tuple[int, ...]] = [(6,), (6,), ()]
-# Strides of the example tensors where the compiled graph depends on them (the
-# inductor backend, for each tensor its kernels read); None where it does not.
+# Strides of the example tensors, for the record: the eager backend runs ATen's own
+# kernels, which take any layout.
 PARAM_STRIDES: list[tuple[int, ...] | None] = [(4, 1), (1,), (1,), (1,), (6, 1), (1,)]
 BUFFER_STRIDES: list[tuple[int, ...] | None] = [(1,), (1,), ()]
 PARAM_DTYPES: list[str] = [
