@@ -96,6 +96,7 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
     fn_name = header_match.group(1) if header_match else "<unknown>"
     num_args = cast(int, metadata["NUM_POSITIONAL_ARGS"])
     module_positions = cast(list[int], metadata["MODULE_POSITIONS"])
+    user_inputs = _user_inputs(metadata)
     return {
         "artifact": path,
         "fn_name": fn_name,
@@ -105,7 +106,14 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
         "module_positions": module_positions,
         "modules": _modules(metadata),
         "module_state": _module_state(metadata),
-        "user_inputs": _user_inputs(metadata),
+        "user_inputs": user_inputs,
+        "aliased_inputs": _aliased_inputs(
+            metadata,
+            [
+                leaf["leaf"]
+                for leaf in cast(list[dict[str, str]], user_inputs["leaves"])
+            ],
+        ),
         "output": _output(metadata),
         "graph": _graph(section_statements(module, graph)),
         "kernel_binaries": _pinned_binaries(metadata),
@@ -206,6 +214,10 @@ def format_report(report: dict[str, Any]) -> str:
         or ["  (none)"]
     )
     out.append("")
+    for group in report["aliased_inputs"]:
+        out.append(f"aliased inputs: {', '.join(group)} share one storage (as traced)")
+    if report["aliased_inputs"]:
+        out.append("")
     out.append("graph")
     kernels = graph["kernels"]
     if kernels:
@@ -264,6 +276,26 @@ def format_report(report: dict[str, Any]) -> str:
         )
     )
     return "\n".join(out) + "\n"
+
+
+def _aliased_inputs(metadata: dict[str, object], leaves: list[str]) -> list[list[str]]:
+    """Each group of graph inputs that shared a storage at capture, by name."""
+    groups = metadata.get("ALIASED_INPUTS")
+    if not isinstance(groups, list):
+        return []
+    state = [
+        *cast(list[str], metadata["PARAM_NAMES"]),
+        *cast(list[str], metadata["BUFFER_NAMES"]),
+    ]
+    names = [*(repr(name) for name in state), *leaves]
+    return [
+        [
+            names[p] if isinstance(p, int) and 0 <= p < len(names) else f"input {p!r}"
+            for p in group
+        ]
+        for group in groups
+        if isinstance(group, dict)
+    ]
 
 
 def _pinned_binaries(metadata: dict[str, object]) -> list[dict[str, str]]:

@@ -295,6 +295,24 @@ def test_inspect_reports_harvested_grads_and_inductor_kernels() -> None:
     assert inductor["graph"]["extern_kernel_calls"]
 
 
+def test_inspect_shows_aliased_inputs_and_pinned_kernel_binaries() -> None:
+    report = inspect_artifact(_golden("eager_literals_aliasing"))
+    assert report["aliased_inputs"] == [["arg1", "arg2"]]
+    assert "aliased inputs: arg1, arg2 share one storage" in format_report(report)
+    assert inspect_artifact(_golden("eager_inference"))["aliased_inputs"] == []
+    # The inductor golden pins no binary; an artifact that pins one lists it.
+    text = _golden("inductor_inference")
+    assert "kernels always compile from source" in format_report(inspect_artifact(text))
+    name, digest = "ab/c" + "a" * 51 + ".main.so", "f" * 64
+    pinned = text.replace(
+        "KERNEL_BINARIES: dict[str, str] = {}",
+        f"KERNEL_BINARIES: dict[str, str] = {{{name!r}: {digest!r}}}",
+    )
+    report = inspect_artifact(pinned)
+    assert report["kernel_binaries"] == [{"file": name, "sha256": digest}]
+    assert f"{name}  sha256 {'f' * 16}..." in format_report(report)
+
+
 def test_inspect_shows_the_mode_each_module_was_traced_in() -> None:
     text = _golden("eager_multi_module")
     assert [m["mode"] for m in inspect_artifact(text)["modules"]] == ["training"] * 2
