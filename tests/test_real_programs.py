@@ -425,6 +425,10 @@ def large_literal(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x) + torch.tensor([0.5] * 5000)[:4]
 
 
+def complex_literal(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x) * torch.tensor([1 + 1j, 1, 1, 1]).real
+
+
 @pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
 @pytest.mark.parametrize(
     ("fn", "match"),
@@ -432,6 +436,7 @@ def large_literal(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         (reads_a_global, ["the global 'GLOBAL_OFFSET'"]),
         (copies_a_global, ["the global 'GLOBAL_OFFSET'"]),
         (large_literal, ["5000 elements, more than the 4096", "pass large literals"]),
+        (complex_literal, ["of dtype torch.complex64, which has no Python literal"]),
     ],
 )
 def test_tensors_that_are_not_literals_stay_rejected(
