@@ -471,17 +471,27 @@ _RESULT_LEAF_TYPES = (
 def _reject_opaque_results(result: object, leaves: list[object], fn_name: str) -> None:
     # Any other object (a library's cache object, say) is neither a tensor nor a
     # container pytree can open; make_fx would fail on it with a bare type name.
-    for path, leaf in zip(leaf_paths(result), leaves, strict=True):
-        if not isinstance(leaf, _RESULT_LEAF_TYPES):
-            where = f"at {path}" if path else "as a whole"
-            raise PrecompileError(
-                f"{fn_name!r} returns an object of type {type(leaf).__name__} {where}, "
-                "which is neither a tensor nor a container torch.utils._pytree can "
-                "open: an artifact returns tensors, Python scalars and tuples, lists "
-                "and dicts of them. Return the tensors you need (for a transformers "
-                "model, pass use_cache=False to leave its cache out of the output), "
-                "or register the type with torch.utils._pytree.register_pytree_node."
-            )
+    index = next(
+        (
+            i
+            for i, leaf in enumerate(leaves)
+            if not isinstance(leaf, _RESULT_LEAF_TYPES)
+        ),
+        None,
+    )
+    if index is None:
+        return
+    # The leaves' paths only for the message: a second walk over the result.
+    path = leaf_paths(result)[index]
+    where = f"at {path}" if path else "as a whole"
+    raise PrecompileError(
+        f"{fn_name!r} returns an object of type {type(leaves[index]).__name__} "
+        f"{where}, which is neither a tensor nor a container torch.utils._pytree can "
+        "open: an artifact returns tensors, Python scalars and tuples, lists and "
+        "dicts of them. Return the tensors you need (for a transformers model, pass "
+        "use_cache=False to leave its cache out of the output), or register the "
+        "type with torch.utils._pytree.register_pytree_node."
+    )
 
 
 def _reject_nested_modules(leaves: list[object], leaf_names: list[str]) -> None:
