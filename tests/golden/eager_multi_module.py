@@ -625,10 +625,7 @@ def _check_aliasing(
     for group in ALIASED_INPUTS:
         for position, (offset, strides) in group.items():
             tensor = cast(torch.Tensor, inputs[position])
-            if tensor.storage_offset() != offset or any(
-                size > 1 and got != want
-                for size, got, want in zip(tensor.shape, tensor.stride(), strides)
-            ):
+            if tensor.storage_offset() != offset or not _same_layout(tensor, strides):
                 others = _input_names(args, sorted(set(group) - {position}))
                 _fail(
                     f"{_input_names(args, [position])} shares a storage with "
@@ -637,6 +634,14 @@ def _check_aliasing(
                     f"was traced with offset {offset} and strides {strides}. Pass "
                     "views at the example's offsets, or capture again with these."
                 )
+
+
+def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    # A dim of size 0 or 1 is never stepped over, so its stride does not matter.
+    return all(
+        size <= 1 or got == want
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides)
+    )
 
 
 def _describe_aliasing_difference(

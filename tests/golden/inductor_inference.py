@@ -749,10 +749,7 @@ def _check_aliasing(
     for group in ALIASED_INPUTS:
         for position, (offset, strides) in group.items():
             tensor = cast(torch.Tensor, inputs[position])
-            if tensor.storage_offset() != offset or any(
-                size > 1 and got != want
-                for size, got, want in zip(tensor.shape, tensor.stride(), strides)
-            ):
+            if tensor.storage_offset() != offset or not _same_layout(tensor, strides):
                 others = _input_names(args, sorted(set(group) - {position}))
                 _fail(
                     f"{_input_names(args, [position])} shares a storage with "
@@ -761,6 +758,14 @@ def _check_aliasing(
                     f"was traced with offset {offset} and strides {strides}. Pass "
                     "views at the example's offsets, or capture again with these."
                 )
+
+
+def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    # A dim of size 0 or 1 is never stepped over, so its stride does not matter.
+    return all(
+        size <= 1 or got == want
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides)
+    )
 
 
 def _describe_aliasing_difference(
@@ -1077,14 +1082,6 @@ def _check_leaf_layouts(args: tuple[object, ...], leaves: list[object]) -> None:
             user_inputs = tuple(args[i] for i in _USER_POSITIONS)
             where = _leaf_name(user_inputs, index)
             _fail(_layout_message(where, tensor, strides))
-
-
-def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
-    # A dim of size 0 or 1 is never stepped over, so its stride does not matter.
-    return all(
-        size <= 1 or got == want
-        for size, got, want in zip(tensor.shape, tensor.stride(), strides)
-    )
 
 
 def _layout_message(what: str, tensor: torch.Tensor, strides: tuple[int, ...]) -> str:
