@@ -9,7 +9,11 @@ TORCHINDUCTOR_CACHE_DIR:
 - precompile: ``precompile(...)`` starting from an empty cache folder;
 - cache: ``load(code, cache)`` + first call, empty cache folder (a fresh machine);
 - no cache: the same with the cache's artifact stripped (compiles from python_code);
-- warm: the same with a cache folder a previous load filled (same-machine reload).
+- warm: the same with a cache folder a previous load filled (same-machine reload);
+- other path: ``load`` + first call with the cache, empty cache folder, in another
+  environment at another path (the same installation reached through a symlinked
+  prefix, so torch and Python's headers are seen under other folders, as in a second
+  virtualenv), as when a pair built in CI's virtualenv serves from production's.
 
 All rows are measured in this one run, after one untimed precompile that warms the
 operating system's file cache; the ratios compare rows of that run.
@@ -54,9 +58,16 @@ print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
 
-def _child(system: str, step: str, code: Path, cache: Path, cache_dir: Path) -> float:
+def _child(
+    system: str,
+    step: str,
+    code: Path,
+    cache: Path,
+    cache_dir: Path,
+    python: str = sys.executable,
+) -> float:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, system, step, str(code), str(cache)],
+        [python, "-c", _CHILD, system, step, str(code), str(cache)],
         capture_output=True,
         text=True,
         check=False,
@@ -75,6 +86,23 @@ def _strip_artifact(cache: bytes) -> bytes:
     return buffer.getvalue()
 
 
+def _other_environment(work: Path) -> str:
+    """This interpreter reached through a symlink to its prefix: a second
+    environment whose torch folder and include folder have other paths."""
+    prefix, python = Path(sys.prefix), Path(sys.executable)
+    other = work / "other-environment"
+    if not other.exists():
+        other.symlink_to(prefix, target_is_directory=True)
+    other_python = str(other / python.relative_to(prefix))
+    where = "import os, torch; print(os.path.dirname(torch.__file__))"
+    torch_dir = subprocess.run(
+        [other_python, "-c", where], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if torch_dir == os.path.dirname(torch.__file__):
+        raise RuntimeError(f"the other environment sees torch at {torch_dir} too")
+    return other_python
+
+
 def _measure(system: str, work: Path) -> dict[str, float]:
     folder = work / system
     folder.mkdir()
@@ -85,6 +113,8 @@ def _measure(system: str, work: Path) -> dict[str, float]:
     seconds["no cache"] = _child(system, "load", code, stripped, folder / "c2")
     _child(system, "load", code, cache, folder / "c3")  # fills c3
     seconds["warm"] = _child(system, "load", code, cache, folder / "c3")
+    python = _other_environment(work)
+    seconds["other path"] = _child(system, "load", code, cache, folder / "c4", python)
     seconds["cache bytes"] = cache.stat().st_size
     return seconds
 
@@ -100,7 +130,7 @@ def main() -> None:
         rows = {system: _measure(system, Path(scratch)) for system in SYSTEMS}
     ours, theirs = rows["precompile_gen"], rows["torch.compiler.precompile"]
     print(f"{'seconds':<24}{'precompile_gen':>16}{'torch precompile':>18}")
-    for row in ("precompile", "cache", "no cache", "warm"):
+    for row in ("precompile", "cache", "no cache", "warm", "other path"):
         print(f"{row:<24}{ours[row]:>16.2f}{theirs[row]:>18.2f}")
     size = "cache size (bytes)"
     print(f"{size:<24}{ours['cache bytes']:>16,.0f}{theirs['cache bytes']:>18,.0f}")
@@ -110,6 +140,11 @@ def main() -> None:
             f"{label}: no cache / cache = {r['no cache'] / r['cache']:.1f}x "
             f"(target >= 4x); cache / warm = {r['cache'] / r['warm']:.2f}x "
             "(target <= 1.5x)"
+        )
+        print(
+            f"{label}: other path / cache = {r['other path'] / r['cache']:.2f}x "
+            f"(target <= 1.2x); no cache / other path = "
+            f"{r['no cache'] / r['other path']:.1f}x (target >= 4x)"
         )
 
 

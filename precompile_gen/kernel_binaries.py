@@ -17,8 +17,11 @@ Two details make a fresh cache folder really skip the compiler:
   carries those probe binaries too, and priming adds their markers.
 
 A binary is used only when the build fingerprint (torch, Python, compiler, CPU
-capability, install paths) matches this machine and its sha256 matches the manifest;
-otherwise the artifact compiles its kernels as it would without a cache.
+capability) matches this machine and its sha256 matches the manifest; otherwise the
+artifact compiles its kernels as it would without a cache. The install paths of torch
+and Python are part of inductor's keys but not of the binaries: when only they differ
+(a pair built in one virtualenv, loaded in another), each kernel binary is placed
+under the key inductor computes here (``_placing_moved_binaries``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ LOAD_CONFIG: dict[str, object] = {"cpp_cache_precompile_headers": False}
 # Nothing else may be written from a cache.
 _BINARY_PATH = re.compile(r"[a-z0-9]{2}/c[a-z0-9]{51}\.(main\.)?so")
 _PROBE_MARKER = ".load_ok"
+# An install path as the build fingerprint may record it: absolute, no whitespace.
+_PLAIN_PATH = re.compile(r"/[^\s]*")
 
 # torch's tracer (make_fx, fx's patcher) and inductor's compiler (config.patch,
 # kernel compilation) keep process-wide state: capture, lowering, the kernel scan and
@@ -57,8 +62,14 @@ _PROBE_MARKER = ".load_ok"
 TORCH_STATE_LOCK = threading.RLock()
 
 
+# The fingerprint entries that say where torch and Python are installed. They are in
+# the build command line, so in inductor's keys, but a binary built under other paths
+# is the same binary: they may differ between the build and the load.
+INSTALL_PATHS = ("torch_dir", "python_include", "python_libdir")
+
+
 def build_fingerprint() -> dict[str, str]:
-    """What a kernel binary depends on besides its source."""
+    """What a kernel binary depends on besides its source, and its install paths."""
     import torch
     from torch._inductor import cpp_builder
 
@@ -72,6 +83,7 @@ def build_fingerprint() -> dict[str, str]:
         # Include and library paths are part of inductor's build flags, so of its keys.
         "torch_dir": os.path.dirname(torch.__file__),
         "python_include": sysconfig.get_paths()["include"],
+        "python_libdir": sysconfig.get_config_var("LIBDIR") or "",
     }
     # Plain str (torch.__version__ is a subclass), so the cache stays readable with
     # torch.load(weights_only=True).
@@ -94,7 +106,7 @@ def collect(graph_source: str) -> dict[str, object]:
     for source, path in sources:
         lowered[source] = path
 
-    def link_lowered_binary(source: str, path: str) -> None:
+    def link_lowered_binary(source: str, _flags: str, path: str) -> None:
         binary = _binary_path(path)
         if source in lowered and not os.path.exists(binary):
             shutil.copyfile(_binary_path(lowered[source]), binary)
@@ -178,14 +190,16 @@ def check_cache_folder() -> None:
         ) from error
 
 
-def prime(payload: object, pinned: object, *, signed: bool = False) -> bool:
+def prime(
+    payload: object, pinned: object, *, signed: bool = False
+) -> contextlib.AbstractContextManager[None] | None:
     """Write the payload's binaries into the inductor cache folder, if the artifact
     pins each of them (``pinned``: its KERNEL_BINARIES).
 
-    Returns whether the artifact should be executed under ``loading_config()``;
-    False (after a logged warning) when the payload cannot be used here. A signed
-    pair whose cache brings a binary the artifact does not pin was tampered with:
-    that is a PrecompileError.
+    Returns the context to execute the artifact in, under which inductor loads the
+    binaries instead of compiling; None (after a logged warning) when the payload
+    cannot be used here. A signed pair whose cache brings a binary the artifact does
+    not pin was tampered with: that is a PrecompileError.
     """
     reason = _unusable(payload)
     if reason is None:
@@ -203,27 +217,97 @@ def prime(payload: object, pinned: object, *, signed: bool = False) -> bool:
             "kernels are compiled from python_code instead (slower, same results).",
             reason,
         )
-        return False
+        return None
     from torch._inductor import codecache
 
     assert isinstance(payload, dict)
+    files: dict[str, bytes] = payload["files"]
+    moved = moved_install_paths(payload)
     # Named in the error if even creating the folder fails.
     root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "(its default location)"
     try:
         root = codecache.cache_dir()  # creates the folder
-        for name, data in payload["files"].items():
-            target = Path(root, name)
-            _write_binary(target, data, probe=not name.endswith(".main.so"))
+        for name, data in files.items():
+            probe = not name.endswith(".main.so")
+            # A kernel binary's key names the install paths: when they moved, it is
+            # placed under this environment's key as inductor asks for it. A probe's
+            # key does not (compiler, ISA flags and torch version only).
+            if probe or not moved:
+                _write_binary(Path(root, name), data, probe=probe)
     except OSError as error:
-        # Compiling from python_code instead would need to write there too.
-        raise PrecompileError(
-            f"cannot write the cache's kernel binaries into inductor's cache folder "
-            f"{root} ({error.strerror or error}: {error.filename}); an "
-            "inductor artifact loads its kernels from files there. Set "
-            "TORCHINDUCTOR_CACHE_DIR to a folder this process can write to, and load "
-            "again."
-        ) from error
-    return True
+        raise _unwritable(root, error) from error
+    if moved:
+        return _placing_moved_binaries(files, moved, root)
+    return loading_config()
+
+
+def _unwritable(root: str, error: OSError) -> PrecompileError:
+    # Compiling from python_code instead would need to write there too.
+    return PrecompileError(
+        f"cannot write the cache's kernel binaries into inductor's cache folder "
+        f"{root} ({error.strerror or error}: {error.filename}); an inductor artifact "
+        "loads its kernels from files there. Set TORCHINDUCTOR_CACHE_DIR to a folder "
+        "this process can write to, and load again."
+    )
+
+
+def moved_install_paths(payload: dict[str, object]) -> dict[str, str]:
+    """This environment's install paths that differ from the build's, each mapped to
+    the build's path ({} when the pair is loaded where it was built)."""
+    built = payload["build"]
+    assert isinstance(built, dict)
+    here = build_fingerprint()
+    return {
+        here[key]: built[key]
+        for key in INSTALL_PATHS
+        if built[key] != here[key] and here[key]
+    }
+
+
+@contextlib.contextmanager
+def _placing_moved_binaries(
+    files: dict[str, bytes], moved: dict[str, str], root: str
+) -> Generator[None]:
+    """Execute under ``loading_config``, writing each kernel binary under the key
+    inductor computes here just before inductor looks for it.
+
+    Inductor's key is a hash of the kernel's source and build command line. The
+    command line the build had is this environment's with each moved install path
+    replaced by the build's; if hashing the kernel source (read from the artifact)
+    with it gives the key of a binary the cache carries, that binary was built from
+    this very source with the same flags, and it is the one the artifact pins under
+    that key. Kernels whose key is not found that way compile, as without a cache.
+    """
+    from torch._inductor import codecache
+
+    as_built = re.compile(
+        "|".join(map(re.escape, sorted(moved, key=len, reverse=True)))
+    )
+    missed: list[str] = []
+
+    def place(source: str, extra: str, path: str) -> None:
+        command = as_built.sub(lambda match: moved[match.group(0)], extra)
+        key = codecache.get_hash(source.strip(), command)
+        data = files.get(f"{key[1:3]}/{key}.main.so")
+        if data is None:
+            missed.append(path)
+            return
+        try:
+            _write_binary(Path(_binary_path(path)), data, probe=False)
+        except OSError as error:
+            raise _unwritable(root, error) from error
+
+    with loading_config(), _recording_kernel_sources(place):
+        yield
+    if missed:
+        log.warning(
+            "precompile_gen.load: the cache's compiled kernels were built under other "
+            "install paths (%s here); %d of the artifact's kernels matched none of "
+            "them with this environment's build flags and were compiled from "
+            "python_code (slower, same results).",
+            ", ".join(f"{here} was {built}" for here, built in moved.items()),
+            len(missed),
+        )
 
 
 def _write_binary(target: Path, data: bytes, *, probe: bool) -> None:
@@ -264,13 +348,25 @@ def _unusable(payload: object) -> str | None:
     if not isinstance(built, dict):
         return "it records no build fingerprint"
     here = build_fingerprint()
-    differing = differing_build(payload, here)
+    differing = [
+        key for key in differing_build(payload, here) if key not in INSTALL_PATHS
+    ]
     if differing:
         details = ", ".join(
             f"{key} {describe_untrusted(built.get(key))} (here {here[key]!r})"
             for key in differing
         )
         return f"they were built for a different environment: {details}"
+    for key in INSTALL_PATHS:
+        # Substituted into build command lines: a path, nothing that reads as flags.
+        path = built.get(key)
+        if path != here[key] and not (
+            isinstance(path, str) and _PLAIN_PATH.fullmatch(path)
+        ):
+            return (
+                f"its build fingerprint records the install path {key} as "
+                f"{describe_untrusted(path)}, not a plain absolute path"
+            )
     return None
 
 
@@ -303,24 +399,27 @@ def differing_build(payload: dict[str, object], here: dict[str, str]) -> list[st
 
 @contextlib.contextmanager
 def _recording_kernel_sources(
-    on_write: Callable[[str, str], None] | None = None,
+    on_write: Callable[[str, str, str], None] | None = None,
 ) -> Generator[list[tuple[str, str]]]:
     """Record (source, path) of every C++ kernel source inductor writes to its cache.
 
     ``write`` is where inductor turns a kernel's source and build flags into its key
-    and path, before it looks for the binary; ``on_write`` runs at that point.
+    and path, before it looks for the binary; ``on_write(source, build_flags, path)``
+    runs at that point.
     """
     from torch._inductor import codecache
 
     recorded: list[tuple[str, str]] = []
     original = codecache.write
 
-    def recording_write(content: Any, extension: str, *args: Any, **kwargs: Any) -> Any:
-        key, path = original(content, extension, *args, **kwargs)
+    def recording_write(
+        content: Any, extension: str, extra: str = "", *args: Any, **kwargs: Any
+    ) -> Any:
+        key, path = original(content, extension, extra, *args, **kwargs)
         if extension == "main.cpp":
             recorded.append((content, path))
             if on_write is not None:
-                on_write(content, path)
+                on_write(content, extra, path)
         return key, path
 
     codecache.write = recording_write

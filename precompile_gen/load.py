@@ -157,13 +157,14 @@ def load(
     if backend != "inductor":
         return _execute(text, filename, signed=signed)
     kernel_binaries.check_cache_folder()
-    primed = artifact is not None and kernel_binaries.prime(
-        artifact, metadata["KERNEL_BINARIES"], signed=signed
-    )
+    primed = None
+    if artifact is not None:
+        primed = kernel_binaries.prime(
+            artifact, metadata["KERNEL_BINARIES"], signed=signed
+        )
     # Executing inductor's module compiles or loads its kernels through
     # process-global compiler state, as lowering does; the two take turns.
-    lock = kernel_binaries.TORCH_STATE_LOCK
-    with kernel_binaries.loading_config() if primed else lock:
+    with primed if primed is not None else kernel_binaries.TORCH_STATE_LOCK:
         return _execute(text, filename, signed=signed)
 
 
@@ -239,6 +240,8 @@ def _execute(
     namespace: dict[str, object] = {"__name__": f"precompile_gen_artifact_{digest}"}
     try:
         exec(compile(python_code, filename, "exec"), namespace)
+    except PrecompileError:
+        raise  # placing a kernel binary failed, with its own fix
     except Exception as error:
         raise PrecompileError(
             f"executing python_code failed ({type(error).__name__}: {error}). It may "

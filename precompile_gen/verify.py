@@ -61,13 +61,19 @@ def format_report(report: dict[str, Any], artifact: str, cache: str) -> str:
     ]
     binaries = report["kernel_binaries"]
     if binaries is not None:
-        here = (
-            "built for this machine"
-            if not binaries["differs_from_here"]
-            else "built elsewhere ("
-            + ", ".join(binaries["differs_from_here"])
-            + " differ): load compiles the kernels from source instead"
-        )
+        differing = binaries["differs_from_here"]
+        if not differing:
+            here = "built for this machine"
+        elif set(differing) <= set(kernel_binaries.INSTALL_PATHS):
+            here = (
+                f"built under other install paths ({', '.join(differing)} differ): "
+                "load places them under this environment's kernel keys"
+            )
+        else:
+            here = (
+                f"built elsewhere ({', '.join(differing)} differ): load compiles "
+                "the kernels from source instead"
+            )
         lines.append(
             f"  kernel binaries  {binaries['files']} "
             f"file{'' if binaries['files'] == 1 else 's'}, "

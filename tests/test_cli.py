@@ -496,7 +496,15 @@ def test_verify_checks_the_kernel_binaries_digests(
         "sha256": {escaping_name: hashlib.sha256(b"binary").hexdigest()},
     }
     step, cache = _pair(tmp_path, "step", code, build_cache(code, "inductor", payload))
-    for name_, data in [("damaged", damaged), ("bare", None), ("escaping", escaping)]:
+    # Built in another virtualenv: only the install paths differ.
+    elsewhere = {**kernel_binaries.build_fingerprint(), "torch_dir": "/opt/venv/torch"}
+    moved: dict[str, object] = {**payload, "build": elsewhere}
+    for name_, data in [
+        ("damaged", damaged),
+        ("bare", None),
+        ("escaping", escaping),
+        ("moved", moved),
+    ]:
         (tmp_path / f"{name_}.cache").write_bytes(build_cache(code, "inductor", data))
 
     result, out, err = _cli(capsys, "verify", step, cache)
@@ -505,6 +513,12 @@ def test_verify_checks_the_kernel_binaries_digests(
     assert (
         "kernel binaries  1 file, 6 bytes, sha256 ok, each pinned by the artifact's "
         "KERNEL_BINARIES; built elsewhere (" in out
+    )
+    result, out, err = _cli(capsys, "verify", step, str(tmp_path / "moved.cache"))
+    assert result == 0, err
+    assert (
+        "built under other install paths (torch_dir differ): load places them under "
+        "this environment's kernel keys" in out
     )
     result, out, err = _cli(capsys, "verify", step, str(tmp_path / "bare.cache"))
     assert result == 0, err

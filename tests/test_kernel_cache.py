@@ -98,9 +98,17 @@ def test_payload_carries_each_kernel_binary_with_its_digest(pair: Pair) -> None:
 
 
 _CHILD = """\
-import json, sys, torch, precompile_gen as pg
+import json, os, sys, torch, precompile_gen as pg
+from torch._inductor import cpp_builder
 sys.path.insert(0, {tests!r})
 from test_kernel_cache import _inputs, _model, train_step
+# Every compiler run (kernels, ISA probes, precompiled headers) goes through build().
+compiled = []
+build = cpp_builder.CppBuilder.build
+def recording_build(self, *args, **kwargs):
+    compiled.append(self.get_target_file_path())
+    return build(self, *args, **kwargs)
+cpp_builder.CppBuilder.build = recording_build
 code = open({code!r}, encoding="utf-8").read()
 cache = open({cache!r}, "rb").read()
 forward = pg.load(code, cache)
@@ -109,23 +117,35 @@ loss = forward(model, *_inputs())
 torch.testing.assert_close(loss, train_step(reference, *_inputs()))
 for got, want in zip(model.parameters(), reference.parameters(), strict=True):
     torch.testing.assert_close(got.grad, want.grad)
-print(json.dumps({{"loss": float(loss)}}))
+print(json.dumps({{
+    "loss": float(loss),
+    "compiled": compiled,
+    "torch_dir": os.path.dirname(torch.__file__),
+}}))
 """
 
 
-def _binaries_after_fresh_process(
-    tmp_path: Path, code: str, cache: bytes
-) -> dict[str, bytes]:
+@dataclass
+class FreshLoad:
+    binaries: dict[str, bytes]  # the inductor cache folder's afterwards, by name
+    compiled: list[str]  # what the compiler built
+    torch_dir: str
+
+
+def _fresh_load(
+    tmp_path: Path, code: str, cache: bytes, python: str = sys.executable
+) -> FreshLoad:
     """Load and run the pair in a new interpreter with an empty inductor cache
-    folder; return the binaries that folder holds afterwards."""
-    done = _load_in_fresh_process(tmp_path, code, cache)
+    folder, checking its results against eager."""
+    done = _load_in_fresh_process(tmp_path, code, cache, python)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "loss" in json.loads(done.stdout.strip().splitlines()[-1])
+    report = json.loads(done.stdout.strip().splitlines()[-1])
     cache_dir = tmp_path / "inductor-cache"
-    return {
+    binaries = {
         path.relative_to(cache_dir).as_posix(): path.read_bytes()
         for path in cache_dir.rglob("*.so")
     }
+    return FreshLoad(binaries, report["compiled"], report["torch_dir"])
 
 
 @pytest.mark.slow
@@ -134,20 +154,98 @@ def test_fresh_process_with_empty_cache_folder_compiles_nothing(
 ) -> None:
     # Every binary the process used is one the cache carried: nothing was compiled,
     # not even the precompiled header inductor builds before its first compile.
-    binaries = _binaries_after_fresh_process(tmp_path, pair.code, pair.cache)
-    assert binaries == _payload(pair)["files"]
+    loaded = _fresh_load(tmp_path, pair.code, pair.cache)
+    assert loaded.compiled == []
+    assert loaded.binaries == _payload(pair)["files"]
     assert not (tmp_path / "inductor-cache" / "precompiled_headers").exists()
 
 
 @pytest.mark.slow
 def test_fresh_process_without_the_payload_compiles(pair: Pair, tmp_path: Path) -> None:
-    # The control for the test above: without the binaries the kernels are compiled.
-    stripped = _with_payload(pair, None)
-    binaries = _binaries_after_fresh_process(tmp_path, pair.code, stripped)
-    compiled = {name for name in binaries if name.endswith(".main.so")}
+    # The control for the tests around it: without the binaries the kernels are
+    # compiled.
+    loaded = _fresh_load(tmp_path, pair.code, _with_payload(pair, None))
+    built = {name for name in loaded.binaries if name.endswith(".main.so")}
     shipped = _payload(pair)["files"]
     assert isinstance(shipped, dict)
-    assert compiled and compiled.isdisjoint(shipped)
+    assert built and built.isdisjoint(shipped)
+    assert any(path.endswith(".main.so") for path in loaded.compiled)
+
+
+@pytest.mark.slow
+def test_another_environment_at_other_install_paths_compiles_nothing(
+    pair: Pair, tmp_path: Path
+) -> None:
+    # The same installation reached through another folder: torch and Python's
+    # headers are seen under other paths, which are part of inductor's keys.
+    prefix = Path(sys.prefix)
+    python = Path(sys.executable)
+    if not python.is_relative_to(prefix):
+        pytest.skip(f"the interpreter {python} is not inside sys.prefix {prefix}")
+    other_prefix = tmp_path / "other-environment"
+    other_prefix.symlink_to(prefix, target_is_directory=True)
+    other_python = other_prefix / python.relative_to(prefix)
+    loaded = _fresh_load(tmp_path, pair.code, pair.cache, str(other_python))
+    built_under = _payload(pair)["build"]
+    assert isinstance(built_under, dict)
+    assert loaded.torch_dir != built_under["torch_dir"]
+    assert loaded.torch_dir.startswith(str(other_prefix))
+    # Inductor looked the kernels up under other keys, found the cache's binaries
+    # there, and compiled nothing.
+    assert loaded.compiled == []
+    shipped = _payload(pair)["files"]
+    assert isinstance(shipped, dict)
+    kernels = {n: b for n, b in loaded.binaries.items() if n.endswith(".main.so")}
+    assert kernels and set(kernels).isdisjoint(shipped)
+    assert sorted(kernels.values()) == sorted(
+        data for name, data in shipped.items() if name.endswith(".main.so")
+    )
+
+
+def test_an_install_path_that_is_not_a_plain_path_is_not_used(
+    pair: Pair,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # A cache's install paths are substituted into build command lines: one that
+    # would read as flags is refused before anything is written.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    payload = copy.deepcopy(_payload(pair))
+    payload["build"]["torch_dir"] = "/x -O0"  # type: ignore[index]
+    pinned = kernel_binaries.digests(payload)
+    caplog.set_level(logging.WARNING)
+    assert kernel_binaries.prime(payload, pinned) is None
+    assert "install path torch_dir" in caplog.text
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_kernels_no_binary_matches_under_moved_paths_compile_with_a_warning(
+    pair: Pair,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # Built under a torch folder whose substitution does not give the keys of the
+    # carried binaries (as when flags differ besides the paths): each kernel
+    # compiles from the artifact, once the loader has said so.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    payload = copy.deepcopy(_payload(pair))
+    payload["build"]["torch_dir"] = "/opt/elsewhere/torch"  # type: ignore[index]
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(pair.code, _with_payload(pair, payload))
+    kernels = len(re.findall(r"= async_compile\.cpp_pybinding", pair.code))
+    (warning,) = [
+        r.getMessage() for r in caplog.records if "install paths" in r.message
+    ]
+    assert f"{kernels} of the artifact's kernels matched none" in warning
+    assert "was /opt/elsewhere/torch" in warning
+    shipped = _payload(pair)["files"]
+    assert isinstance(shipped, dict)
+    assert not any(
+        path.read_bytes() in shipped.values() for path in tmp_path.rglob("*.main.so")
+    )
+    _assert_matches_eager(forward)
 
 
 @pytest.mark.parametrize(
@@ -240,7 +338,7 @@ def test_priming_writes_the_binaries_under_their_keys(
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     payload = _payload(pair)
     pinned = kernel_binaries.digests(payload)
-    assert kernel_binaries.prime(payload, pinned)
+    assert kernel_binaries.prime(payload, pinned) is not None
     files = payload["files"]
     assert isinstance(files, dict)
     for name, data in files.items():
@@ -248,7 +346,7 @@ def test_priming_writes_the_binaries_under_their_keys(
         is_probe = not name.endswith(".main.so")
         assert (tmp_path / f"{name}.load_ok").is_file() == is_probe
     # Priming again leaves the existing files alone.
-    assert kernel_binaries.prime(payload, pinned)
+    assert kernel_binaries.prime(payload, pinned) is not None
 
 
 def test_load_leaves_inductor_config_as_it_was(pair: Pair) -> None:
@@ -449,7 +547,7 @@ def _cache_with(
 
 
 def _load_in_fresh_process(
-    tmp_path: Path, code: str, cache: bytes
+    tmp_path: Path, code: str, cache: bytes, python: str = sys.executable
 ) -> subprocess.CompletedProcess[str]:
     """Load and run the pair in a new interpreter with an empty inductor cache
     folder (``tmp_path / "inductor-cache"``), and a marker path for a hostile
@@ -462,7 +560,7 @@ def _load_in_fresh_process(
         cache=str(tmp_path / "cache.bin"),
     )
     return subprocess.run(
-        [sys.executable, "-c", script],
+        [python, "-c", script],
         capture_output=True,
         text=True,
         env={

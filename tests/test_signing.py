@@ -212,9 +212,7 @@ def test_a_tampered_payload_is_refused_before_priming_kernels(
 ) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     primed: list[object] = []
-    monkeypatch.setattr(
-        kernel_binaries, "prime", lambda p, *_, **__: primed.append(p) or False
-    )
+    monkeypatch.setattr(kernel_binaries, "prime", lambda p, *_, **__: primed.append(p))
     code, payload, cache = _stub_inductor_pair(KEY)
     envelope = _envelope(cache)
     # A binary swapped together with its digest still passes the payload's own
