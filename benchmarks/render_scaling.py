@@ -55,7 +55,9 @@ def main() -> None:
         target = Path(scratch) / "artifact.py"
         for megabytes in SIZES_MB:
             graph = _graph(megabytes)
-            cap = dataclasses.replace(base, graph_source=graph)
+            cap = dataclasses.replace(
+                base, graph=dataclasses.replace(base.graph, source=graph)
+            )
             data = graph.encode("utf-8")
 
             def hash_and_write(data: bytes = data) -> None:

@@ -8,8 +8,7 @@ executable Python artifact plus a small cache.
 
 # Each stage module is imported before its public function of the same name is
 # bound here, so ``precompile_gen.capture`` / ``.load`` name the functions.
-from precompile_gen.api import precompile
-from precompile_gen.capture import capture
+from precompile_gen.api import capture, precompile
 from precompile_gen.capture_result import CaptureResult
 from precompile_gen.errors import PrecompileError
 from precompile_gen.load import load, parse_metadata

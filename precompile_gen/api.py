@@ -1,4 +1,4 @@
-"""The whole pipeline: capture -> ``CaptureResult`` -> render -> (code, cache)."""
+"""The pipeline: trace -> lower -> ``CaptureResult`` -> render -> (code, cache)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,35 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from precompile_gen import timings
+from precompile_gen import kernel_binaries, timings
 from precompile_gen.cache import build_cache, check_key
-from precompile_gen.capture import capture
+from precompile_gen.capture import check_arguments, function_name, trace
+from precompile_gen.capture_result import CaptureResult
 from precompile_gen.files import check_pair_paths, write_pair
+from precompile_gen.lower import lower
 from precompile_gen.render import render_artifact
+
+
+def capture(
+    fn: Callable[..., object],
+    *example_inputs: object,
+    backend: str = "inductor",
+    tracer: str = "make_fx",
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
+) -> CaptureResult:
+    """Trace ``fn(*example_inputs)`` and lower the graph; no artifact text yet."""
+    checked = check_arguments(fn, backend, tracer)
+    kernel_binaries.check_cache_folder()
+    what = f"capture of {function_name(fn)!r} (backend {checked!r})"
+    # make_fx and fx's patcher keep the current tracer in module globals, so two
+    # traces on different threads corrupt each other; captures take turns.
+    with timings.recording(what), kernel_binaries.TORCH_STATE_LOCK:
+        with timings.stage("capture"):
+            traced = trace(
+                fn, example_inputs, backend=checked, decompositions=decompositions
+            )
+        with timings.stage("lowering"):
+            return lower(traced, checked)
 
 
 def precompile(

@@ -27,15 +27,13 @@ from precompile_gen import (
     aliasing,
     dynamic_dims,
     grad_resets,
-    kernel_binaries,
-    timings,
 )
 from precompile_gen.capture_result import (
     AliasGroup,
     Backend,
-    CaptureResult,
-    DimBounds,
+    InputLeaf,
     LeafValue,
+    ModuleArgument,
     Shape,
     check_backend,
 )
@@ -44,36 +42,13 @@ from precompile_gen.errors import (
     PrecompileNotImplementedError,
     PrecompileValueError,
 )
-from precompile_gen.lower import lower
 
 
-def capture(
-    fn: Callable[..., object],
-    *example_inputs: object,
-    backend: str = "inductor",
-    tracer: str = "make_fx",
-    decompositions: dict[Any, Callable[..., Any]] | None = None,
-) -> CaptureResult:
-    """Trace ``fn(*example_inputs)`` and lower the graph; no artifact text yet."""
-    checked = _check_arguments(fn, backend, tracer)
-    kernel_binaries.check_cache_folder()
-    what = f"capture of {_fn_name(fn)!r} (backend {checked!r})"
-    # make_fx and fx's patcher keep the current tracer in module globals, so two
-    # traces on different threads corrupt each other; captures take turns.
-    with timings.recording(what), kernel_binaries.TORCH_STATE_LOCK:
-        with timings.stage("capture"):
-            traced = trace(
-                fn, example_inputs, backend=checked, decompositions=decompositions
-            )
-        with timings.stage("lowering"):
-            return lower(traced, checked)
-
-
-def _fn_name(fn: object) -> str:
+def function_name(fn: object) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _check_arguments(fn: object, backend: str, tracer: str) -> Backend:
+def check_arguments(fn: object, backend: str, tracer: str) -> Backend:
     if tracer == "dynamo":
         raise PrecompileNotImplementedError(
             "tracer='dynamo' is not implemented; use tracer='make_fx' (the default)."
@@ -115,9 +90,8 @@ class TracedGraph:
     # dims' symbols and bounds, which Inductor compiles against.
     flat_args: list[object]
     fn_name: str
-    module_positions: list[int]
     num_positional_args: int
-    module_training: list[list[bool]]
+    modules: list[ModuleArgument]
     state: ModuleState
     aliased_inputs: list[AliasGroup]
     # Positions of the graph inputs fn updated in place.
@@ -129,13 +103,8 @@ class TracedGraph:
     grad_resets: list[tuple[int, bool]]
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
-    user_input_shapes: list[Shape | None]
-    user_input_dtypes: list[str | None]
-    user_input_devices: list[str | None]
-    user_input_bounds: list[DimBounds | None]
-    user_input_strides: list[tuple[int, ...] | None]
-    user_input_symbols: list[dict[int, str] | None]
-    user_input_values: list[LeafValue | None]
+    # Strides as the example had them; lowering keeps those the graph depends on.
+    leaves: list[InputLeaf]
 
 
 def lift_module_state(modules: list[torch.nn.Module]) -> ModuleState:
@@ -174,7 +143,7 @@ def trace(
     decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
-    fn_name = _fn_name(fn)
+    fn_name = function_name(fn)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
@@ -288,9 +257,13 @@ def trace(
         gm=gm,
         flat_args=flat_args,
         fn_name=fn_name,
-        module_positions=module_positions,
         num_positional_args=len(example_inputs),
-        module_training=module_training,
+        modules=[
+            ModuleArgument(position, training)
+            for position, training in zip(
+                module_positions, module_training, strict=True
+            )
+        ],
         state=state,
         aliased_inputs=aliased_inputs,
         mutated_inputs=mutated_inputs,
@@ -299,20 +272,28 @@ def trace(
         grad_resets=sorted(resets.items()),
         in_spec=in_spec,
         out_spec=harvest["out_spec"],
-        user_input_shapes=[
-            _shape(t, m) for t, m in zip(user_leaves, marks, strict=True)
+        leaves=[
+            InputLeaf(
+                shape=_shape(leaf, marked),
+                dtype=_dtype(leaf),
+                device=_device(leaf),
+                bounds=bounds,
+                symbols=symbols,
+                stride=None
+                if marked or not isinstance(leaf, torch.Tensor)
+                else tuple(leaf.stride()),
+                value=_leaf_value(leaf),
+            )
+            for leaf, marked, bounds, symbols in zip(
+                user_leaves,
+                marks,
+                dynamic_dims.declared_bounds(marks),
+                [None] * len(user_leaves)
+                if symbolic is None
+                else symbolic.leaf_symbols,
+                strict=True,
+            )
         ],
-        user_input_dtypes=[_dtype(t) for t in user_leaves],
-        user_input_devices=[_device(t) for t in user_leaves],
-        user_input_bounds=dynamic_dims.declared_bounds(marks),
-        user_input_strides=[
-            None if m or not isinstance(t, torch.Tensor) else tuple(t.stride())
-            for t, m in zip(user_leaves, marks, strict=True)
-        ],
-        user_input_symbols=(
-            [None] * len(user_leaves) if symbolic is None else symbolic.leaf_symbols
-        ),
-        user_input_values=[_leaf_value(leaf) for leaf in user_leaves],
     )
 
 

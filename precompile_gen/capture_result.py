@@ -1,9 +1,9 @@
 """``CaptureResult``: the plain data that flows from capture to the renderer.
 
-Everything the renderer needs is here as ``str``/``int``/``list``/``tuple``/``dict``
-values (and the cache payload as ``bytes``), so a test can build one by hand and render
-it without tracing anything. Field names match the artifact's metadata constants
-(``param_names`` is emitted as ``PARAM_NAMES``, and so on).
+A few records, each built from plain ``str``/``int``/``list``/``tuple``/``dict`` values
+(and the cache payload as ``bytes``), so a test can build one by hand and render it
+without tracing anything. The artifact's flat metadata constants are derived from
+them in one place, ``metadata_constants``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,14 @@ Shape = tuple[int | None, ...]
 DimBounds = dict[int, tuple[int | None, int | None]]
 # A non-tensor input leaf the artifact can check: the literal scalar types.
 LeafValue = bool | int | float | str
+# Per group of graph inputs that shared one storage at capture: each member's index
+# among ``[*params, *buffers, *user_input_leaves]``, with its (storage offset, strides).
+AliasGroup = dict[int, tuple[int, tuple[int, ...]]]
+# A tensor literal's values, as ``tolist()`` gives them.
+LiteralValues = bool | int | float | list["LiteralValues"]
 
 # The artifact's metadata constants, in emission order. ``parse_metadata`` requires
-# every one of them; ``CaptureResult.metadata`` yields them from the fields.
+# every one of them; ``metadata_constants`` derives them from a ``CaptureResult``.
 METADATA_NAMES: tuple[str, ...] = (
     "BACKEND",
     "MODULE_POSITIONS",
@@ -68,11 +73,51 @@ METADATA_NAMES: tuple[str, ...] = (
     "ALIASED_INPUTS",
     "KERNEL_BINARIES",
 )
-# Per group of graph inputs that shared one storage at capture: each member's index
-# among ``[*params, *buffers, *user_input_leaves]``, with its (storage offset, strides).
-AliasGroup = dict[int, tuple[int, tuple[int, ...]]]
-# A tensor literal's values, as ``tolist()`` gives them.
-LiteralValues = bool | int | float | list["LiteralValues"]
+
+
+class ModuleArgument(NamedTuple):
+    """An ``nn.Module`` argument of the traced function."""
+
+    position: int
+    # The ``training`` flag of each of its ``modules()`` (itself first) at the call:
+    # the trace took the branches of that mode (batch statistics or running ones,
+    # dropout or none), so the driver holds the runtime model to it.
+    training: list[bool]
+
+
+class StateTensor(NamedTuple):
+    """A parameter or buffer of the module arguments, lifted to a graph input."""
+
+    # As the calling convention names it (``convention.module_state``).
+    name: str
+    shape: tuple[int, ...]
+    # The example's strides where the compiled graph depends on them (the inductor
+    # backend's kernels read the tensor); None where it does not.
+    stride: tuple[int, ...] | None
+    dtype: str
+    device: str
+    # Whether it required grad at capture: that decided which gradients the graph
+    # computes, so the driver holds the runtime model to it.
+    requires_grad: bool
+
+
+class InputLeaf(NamedTuple):
+    """One leaf of the flattened non-module arguments; a non-tensor leaf has no
+    shape, dtype, device, bounds, stride or symbols."""
+
+    shape: Shape | None
+    dtype: str | None
+    device: str | None
+    # Each dynamic dim's declared (min, max), and its symbol: dims with the same
+    # symbol must have equal sizes.
+    bounds: DimBounds | None
+    symbols: dict[int, str] | None
+    # None for a non-tensor leaf, one with dynamic dims, or one whose layout the
+    # compiled graph does not depend on.
+    stride: tuple[int, ...] | None
+    # The value of a bool, int, float or str leaf, which the trace built into the
+    # graph, so the driver holds each call to it; None for the others.
+    value: LeafValue | None
 
 
 class TensorLiteral(NamedTuple):
@@ -88,89 +133,92 @@ class TensorLiteral(NamedTuple):
 
 
 @dataclass(frozen=True)
-class CaptureResult:
-    """What one capture produced: calling-convention metadata plus the graph text.
+class CompiledGraph:
+    """The compiled graph, spliced verbatim into the artifact, with what it needs."""
 
-    The metadata fields are aligned lists: ``param_*`` with ``param_names``,
-    ``buffer_*`` with ``buffer_names`` and ``user_input_*`` with the flattened user
-    inputs. A ``None`` entry in a ``user_input_*`` list marks a non-tensor leaf.
-    """
+    # Defines ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self,
+    # flat)`` (eager, wrapped into ``call`` by the eager graph template).
+    source: str
+    # Inputs of the graph after the user-input leaves, written out as literals.
+    tensor_literals: list[TensorLiteral]
+    # Eager only: the imports fx's generated code expects in scope, and the
+    # ``treespec_dumps`` of the graph's own flat input/output specs.
+    imports: list[str]
+    in_spec: str | None
+    out_spec: str | None
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """What one capture produced: the calling convention and the compiled graph."""
 
     backend: Backend
     # The traced function's ``__name__``, shown in the artifact's header.
     fn_name: str
-
-    # Calling convention, emitted as the artifact's metadata constants.
-    module_positions: list[int]
     num_positional_args: int
-    # Per module argument, the ``training`` flag of each of its ``modules()`` (itself
-    # first) at the call: the trace took the branches of that mode (batch statistics
-    # or running ones, dropout or none), so the driver holds the runtime model to it.
-    module_training: list[list[bool]]
-    param_names: list[str]
-    buffer_names: list[str]
-    param_shapes: list[tuple[int, ...]]
-    buffer_shapes: list[tuple[int, ...]]
-    # The example tensors' strides where the compiled graph depends on them (the
-    # inductor backend's kernels read the tensor); None where it does not.
-    param_strides: list[tuple[int, ...] | None]
-    buffer_strides: list[tuple[int, ...] | None]
-    param_dtypes: list[str]
-    buffer_dtypes: list[str]
-    param_devices: list[str]
-    buffer_devices: list[str]
-    # Which tensors required grad at capture: it decided which gradients the graph
-    # computes, so the driver holds the runtime model to it.
-    param_requires_grad: list[bool]
-    buffer_requires_grad: list[bool]
+    modules: list[ModuleArgument]
+    # Graph inputs first: the modules' parameters, then their buffers.
+    params: list[StateTensor]
+    buffers: list[StateTensor]
+    # The k-th trailing gradient output of the graph belongs to
+    # ``params[grad_param_indices[k]]``.
     grad_param_indices: list[int]
     # (parameter index, set_to_none) for each parameter whose ``.grad`` the function
     # reset with zero_grad(): the driver resets the runtime model's the same way
     # before adding the harvested gradients, as the eager call would have.
     grad_resets: list[tuple[int, bool]]
-    # ``treespec_dumps`` of the user inputs, or None when that spec cannot be
-    # serialised (the driver then skips the structure check).
+    # ``treespec_dumps`` of the non-module arguments, or None when that spec cannot
+    # be serialised (the driver then skips the structure check); and of the result.
     in_spec: str | None
     out_spec: str
-    user_input_shapes: list[Shape | None]
-    user_input_dtypes: list[str | None]
-    user_input_devices: list[str | None]
-    user_input_bounds: list[DimBounds | None]
-    # Per leaf: strides (None for a non-tensor leaf, one with dynamic dims, or one
-    # whose layout the compiled graph does not depend on), and each dynamic dim's
-    # symbol; dims with the same symbol must have equal sizes.
-    user_input_strides: list[tuple[int, ...] | None]
-    user_input_symbols: list[dict[int, str] | None]
-    # Per leaf: the value of a bool, int, float or str leaf, which the trace built
-    # into the graph, so the driver holds each call to it; None for the others.
-    user_input_values: list[LeafValue | None]
+    leaves: list[InputLeaf]
     # The graph inputs that shared a storage at capture (a tensor passed twice, views
     # of one storage, a parameter also passed as an input): the graph is right only
     # for that aliasing, so the driver holds each call to it.
     aliased_inputs: list[AliasGroup]
-
-    # The compiled graph, spliced verbatim into the artifact. It defines
-    # ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self, flat)``
-    # (eager, wrapped into ``call`` by the eager graph template).
-    graph_source: str
-    # Inputs of the graph after the user-input leaves, written out as literals.
-    tensor_literals: list[TensorLiteral]
-    # Eager only: the imports fx's generated code expects in scope, and the
-    # ``treespec_dumps`` of the graph's own flat input/output specs.
-    graph_imports: list[str]
-    graph_in_spec: str | None
-    graph_out_spec: str | None
-
+    graph: CompiledGraph
     # The native code the artifact accepts from a cache: each kernel binary's file
     # key (relative to inductor's cache folder) and sha256. A cache is only code
     # nobody reads; the artifact, which people review, decides what of it may run.
     kernel_binaries: dict[str, str]
-
     # What the cache carries to skip compilation on reload (None for eager): plain
     # data that torch.load(weights_only=True) reads back.
     cache_artifact: dict[str, object] | None
 
-    def metadata(self) -> dict[str, object]:
-        """The metadata constants by artifact name, in emission order."""
-        # Each constant is the field of the same name in lower case.
-        return {name: getattr(self, name.lower()) for name in METADATA_NAMES}
+
+def metadata_constants(cap: CaptureResult) -> dict[str, object]:
+    """The artifact's metadata constants by name, in emission order: the records
+    flattened into aligned lists, the form ``parse_metadata`` and programs written
+    for torch.compiler.precompile's artifacts read."""
+    params, buffers, leaves = cap.params, cap.buffers, cap.leaves
+    return {
+        "BACKEND": cap.backend,
+        "MODULE_POSITIONS": [module.position for module in cap.modules],
+        "NUM_POSITIONAL_ARGS": cap.num_positional_args,
+        "MODULE_TRAINING": [module.training for module in cap.modules],
+        "PARAM_NAMES": [t.name for t in params],
+        "BUFFER_NAMES": [t.name for t in buffers],
+        "PARAM_SHAPES": [t.shape for t in params],
+        "BUFFER_SHAPES": [t.shape for t in buffers],
+        "PARAM_STRIDES": [t.stride for t in params],
+        "BUFFER_STRIDES": [t.stride for t in buffers],
+        "PARAM_DTYPES": [t.dtype for t in params],
+        "BUFFER_DTYPES": [t.dtype for t in buffers],
+        "PARAM_DEVICES": [t.device for t in params],
+        "BUFFER_DEVICES": [t.device for t in buffers],
+        "PARAM_REQUIRES_GRAD": [t.requires_grad for t in params],
+        "BUFFER_REQUIRES_GRAD": [t.requires_grad for t in buffers],
+        "GRAD_PARAM_INDICES": cap.grad_param_indices,
+        "GRAD_RESETS": cap.grad_resets,
+        "IN_SPEC": cap.in_spec,
+        "OUT_SPEC": cap.out_spec,
+        "USER_INPUT_SHAPES": [leaf.shape for leaf in leaves],
+        "USER_INPUT_DTYPES": [leaf.dtype for leaf in leaves],
+        "USER_INPUT_DEVICES": [leaf.device for leaf in leaves],
+        "USER_INPUT_BOUNDS": [leaf.bounds for leaf in leaves],
+        "USER_INPUT_STRIDES": [leaf.stride for leaf in leaves],
+        "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
+        "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
+        "ALIASED_INPUTS": cap.aliased_inputs,
+        "KERNEL_BINARIES": cap.kernel_binaries,
+    }

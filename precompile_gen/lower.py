@@ -8,17 +8,20 @@ epilogue), whose compiled binaries go into the cache.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
 from precompile_gen import kernel_binaries, timings
-from precompile_gen.capture_result import Backend, CaptureResult, TensorLiteral
+from precompile_gen.capture import TracedGraph
+from precompile_gen.capture_result import (
+    Backend,
+    CaptureResult,
+    CompiledGraph,
+    StateTensor,
+    TensorLiteral,
+)
 from precompile_gen.errors import PrecompileError
-
-if TYPE_CHECKING:
-    from precompile_gen.capture import TracedGraph
 
 # Inductor lowering swaps process-global compiler state; one lowering at a time, and
 # not while a load executes an inductor artifact under a patched config.
@@ -41,52 +44,56 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         graph_source, cache_artifact = _inductor_graph(traced)
         graph_imports, graph_in_spec, graph_out_spec = [], None, None
     state = traced.state
-    tensors = state.tensors
-    params, buffers = tensors[: state.num_params], tensors[state.num_params :]
-    strides: list[tuple[int, ...] | None] = [tuple(t.stride()) for t in tensors] + list(
-        traced.user_input_strides
-    )
+    strides: list[tuple[int, ...] | None] = [
+        tuple(t.stride()) for t in state.tensors
+    ] + [leaf.stride for leaf in traced.leaves]
     if backend == "inductor":
         strides = _layout_dependent(strides, graph_source, traced)
-    num_state = len(tensors)
+    num_state = len(state.tensors)
+    lifted = [
+        StateTensor(
+            name=name,
+            shape=tuple(tensor.shape),
+            stride=stride,
+            dtype=str(tensor.dtype),
+            device=str(tensor.device),
+            requires_grad=tensor.requires_grad,
+        )
+        for name, tensor, stride in zip(
+            state.param_names + state.buffer_names,
+            state.tensors,
+            strides[:num_state],
+            strict=True,
+        )
+    ]
     return CaptureResult(
         backend=backend,
         fn_name=traced.fn_name,
-        module_positions=traced.module_positions,
         num_positional_args=traced.num_positional_args,
-        module_training=traced.module_training,
-        param_names=state.param_names,
-        buffer_names=state.buffer_names,
-        param_shapes=[tuple(t.shape) for t in params],
-        buffer_shapes=[tuple(t.shape) for t in buffers],
-        param_strides=strides[: state.num_params],
-        buffer_strides=strides[state.num_params : num_state],
-        param_dtypes=[str(t.dtype) for t in params],
-        buffer_dtypes=[str(t.dtype) for t in buffers],
-        param_devices=[str(t.device) for t in params],
-        buffer_devices=[str(t.device) for t in buffers],
-        param_requires_grad=[t.requires_grad for t in params],
-        buffer_requires_grad=[t.requires_grad for t in buffers],
+        modules=traced.modules,
+        params=lifted[: state.num_params],
+        buffers=lifted[state.num_params :],
         grad_param_indices=traced.grad_param_indices,
         grad_resets=traced.grad_resets,
         in_spec=in_spec,
         out_spec=out_spec,
-        user_input_shapes=traced.user_input_shapes,
-        user_input_dtypes=traced.user_input_dtypes,
-        user_input_devices=traced.user_input_devices,
-        user_input_bounds=traced.user_input_bounds,
-        user_input_strides=strides[num_state:],
-        user_input_symbols=traced.user_input_symbols,
-        user_input_values=traced.user_input_values,
-        aliased_inputs=traced.aliased_inputs,
-        graph_source=graph_source,
-        tensor_literals=[
-            TensorLiteral(name, tensor.tolist(), str(tensor.dtype), str(tensor.device))
-            for name, tensor in traced.constants
+        leaves=[
+            leaf._replace(stride=stride)
+            for leaf, stride in zip(traced.leaves, strides[num_state:], strict=True)
         ],
-        graph_imports=graph_imports,
-        graph_in_spec=graph_in_spec,
-        graph_out_spec=graph_out_spec,
+        aliased_inputs=traced.aliased_inputs,
+        graph=CompiledGraph(
+            source=graph_source,
+            tensor_literals=[
+                TensorLiteral(
+                    name, tensor.tolist(), str(tensor.dtype), str(tensor.device)
+                )
+                for name, tensor in traced.constants
+            ],
+            imports=graph_imports,
+            in_spec=graph_in_spec,
+            out_spec=graph_out_spec,
+        ),
         kernel_binaries=kernel_binaries.digests(cache_artifact),
         cache_artifact=cache_artifact,
     )
@@ -169,7 +176,7 @@ def _inductor_graph(traced: TracedGraph) -> tuple[str, dict[str, object]]:
     # For a dynamic capture, scalar_asserts keeps the range checks on the unbacked
     # sizes inside the compiled graph.
     dynamic = any(
-        shape is not None and None in shape for shape in traced.user_input_shapes
+        leaf.shape is not None and None in leaf.shape for leaf in traced.leaves
     )
     # fallback_random draws random numbers (dropout masks) with eager's own ops, in
     # the graph's order: Inductor's own RNG kernels draw them in the order its

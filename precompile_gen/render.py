@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jinja2
 
-from precompile_gen.capture_result import CaptureResult
+from precompile_gen.capture_result import CaptureResult, metadata_constants
 
 # A comment line, which black leaves alone at module level; replaced by the graph.
 GRAPH_MARKER = "# <precompile_gen: compiled graph>"
@@ -213,7 +213,7 @@ def render_skeleton(cap: CaptureResult) -> str:
     skeleton = (
         environment()
         .get_template("artifact.py.j2")
-        .render(cap=cap, graph_marker=GRAPH_MARKER)
+        .render(cap=cap, metadata=metadata_constants(cap), graph_marker=GRAPH_MARKER)
     )
     if skeleton.count(GRAPH_MARKER) != 1:
         raise RuntimeError("artifact.py.j2 must place the graph marker exactly once")
@@ -231,7 +231,7 @@ def render_artifact(cap: CaptureResult) -> str:
     # The graph is copied once, into the result, whatever its size: its trailing
     # newlines count towards the two blank lines after it, so that only leading blank
     # lines or more than three trailing newlines cost a copy to drop them first.
-    graph = cap.graph_source
+    graph = cap.graph.source
     first = _FIRST_NON_NEWLINE.search(graph)
     begin = first.start() if first else len(graph)
     end = len(graph)

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from precompile_gen.capture_result import Backend, CaptureResult, TensorLiteral
+from precompile_gen.capture_result import (
+    Backend,
+    CaptureResult,
+    CompiledGraph,
+    InputLeaf,
+    ModuleArgument,
+    StateTensor,
+    TensorLiteral,
+)
 from precompile_gen.render import render_artifact
 
 # Typed stand-ins for the spliced graph, which is the only part not from a template.
@@ -51,40 +59,39 @@ def stub_capture(backend: Backend) -> CaptureResult:
     return CaptureResult(
         backend=backend,
         fn_name="train_step",
-        module_positions=[0],
         num_positional_args=2,
-        module_training=[[True]],
-        param_names=["weight"],
-        buffer_names=["running_mean"],
-        param_shapes=[(4, 4)],
-        buffer_shapes=[(4,)],
-        param_strides=[(4, 1)],
-        buffer_strides=[(1,)],
-        param_dtypes=["torch.float32"],
-        buffer_dtypes=["torch.float32"],
-        param_devices=["cpu"],
-        buffer_devices=["cpu"],
-        param_requires_grad=[True],
-        buffer_requires_grad=[False],
+        modules=[ModuleArgument(position=0, training=[True])],
+        params=[
+            StateTensor("weight", (4, 4), (4, 1), "torch.float32", "cpu", True),
+        ],
+        buffers=[
+            StateTensor("running_mean", (4,), (1,), "torch.float32", "cpu", False),
+        ],
         grad_param_indices=[0],
         grad_resets=[(0, True)],
         in_spec=_INPUT_SPEC,
         out_spec=_FLAT_SPEC,
-        user_input_shapes=[(None, 4)],
-        user_input_dtypes=["torch.float32"],
-        user_input_devices=["cpu"],
-        user_input_bounds=[{0: (1, 64)}],
-        user_input_strides=[None],
-        user_input_symbols=[{0: "u0"}],
-        user_input_values=[None],
-        aliased_inputs=[{1: (0, (1,)), 2: (4, (4, 1))}],
-        graph_source=_GRAPH_STUBS[backend],
-        tensor_literals=[
-            TensorLiteral("literal0", [0.5, float("-inf")], "torch.float32", "cpu")
+        leaves=[
+            InputLeaf(
+                shape=(None, 4),
+                dtype="torch.float32",
+                device="cpu",
+                bounds={0: (1, 64)},
+                symbols={0: "u0"},
+                stride=None,
+                value=None,
+            )
         ],
-        graph_imports=_EAGER_GRAPH_IMPORTS if eager else [],
-        graph_in_spec=_FLAT_SPEC if eager else None,
-        graph_out_spec=_FLAT_SPEC if eager else None,
+        aliased_inputs=[{1: (0, (1,)), 2: (4, (4, 1))}],
+        graph=CompiledGraph(
+            source=_GRAPH_STUBS[backend],
+            tensor_literals=[
+                TensorLiteral("literal0", [0.5, float("-inf")], "torch.float32", "cpu")
+            ],
+            imports=_EAGER_GRAPH_IMPORTS if eager else [],
+            in_spec=_FLAT_SPEC if eager else None,
+            out_spec=_FLAT_SPEC if eager else None,
+        ),
         kernel_binaries={"ab/c" + "0" * 51 + ".main.so": "0" * 64},
         cache_artifact=None,
     )

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import precompile_gen as pg
+from precompile_gen.capture_result import metadata_constants
 
 BACKENDS = ["eager", "inductor"]
 
@@ -383,7 +384,7 @@ def test_render_of_capture_is_precompile_text(
     assert cap.backend == backend
     text = pg.render_artifact(cap)
     assert pg.render_artifact(cap) == text
-    assert pg.parse_metadata(text) == cap.metadata()
+    assert pg.parse_metadata(text) == metadata_constants(cap)
     assert text == mlp_predict.python_code
 
 

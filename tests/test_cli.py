@@ -28,6 +28,7 @@ import pytest
 
 from precompile_gen import kernel_binaries
 from precompile_gen.cache import build_cache
+from precompile_gen.capture_result import InputLeaf
 from precompile_gen.cli import main
 from precompile_gen.diff import diff_artifacts
 from precompile_gen.inspection import (
@@ -351,7 +352,8 @@ def call(flat_inputs):
     extern_kernels.mm(flat_inputs[0], flat_inputs[1])
     return [torch.ops.aten.relu.default(flat_inputs[0])]
 '''
-    cap = dataclasses.replace(stub_capture("inductor"), graph_source=graph)
+    stub = stub_capture("inductor")
+    cap = dataclasses.replace(stub, graph=dataclasses.replace(stub.graph, source=graph))
     report = inspect_artifact(render_artifact(cap))
     assert [(k["name"], k["kind"]) for k in report["graph"]["kernels"]] == [
         ("triton_poi_fused_0", "triton"),
@@ -365,13 +367,14 @@ def call(flat_inputs):
 def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
     cap = dataclasses.replace(
         stub_capture("inductor"),
-        user_input_shapes=[(None, 4), (None,)],
-        user_input_dtypes=["torch.float32", "torch.int64"],
-        user_input_devices=["cpu", "cpu"],
-        user_input_bounds=[{0: (2, 64)}, {0: (None, None)}],
-        user_input_strides=[None, None],
-        user_input_symbols=[{0: "u0"}, {0: "u0"}],
-        user_input_values=[None, None],
+        leaves=[
+            InputLeaf(
+                (None, 4), "torch.float32", "cpu", {0: (2, 64)}, {0: "u0"}, None, None
+            ),
+            InputLeaf(
+                (None,), "torch.int64", "cpu", {0: (None, None)}, {0: "u0"}, None, None
+            ),
+        ],
         in_spec=None,
     )
     report = inspect_artifact(render_artifact(cap))

@@ -22,6 +22,12 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
+from precompile_gen.capture_result import (
+    CompiledGraph,
+    InputLeaf,
+    ModuleArgument,
+    StateTensor,
+)
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 FIXTURE_DIR = Path(__file__).parent / "fixtures"
@@ -84,25 +90,19 @@ _LEAF = '{"type": null, "context": null, "children_spec": []}'
 def inductor_inference() -> pg.CaptureResult:
     """``predict`` on the MLP, as the inductor backend captures it (written out by
     hand; the graph is the canned module)."""
+    weights = [("0.weight", (8, 4), (4, 1)), ("0.bias", (8,), (1,))]
+    weights += [("2.weight", (2, 8), (8, 1)), ("2.bias", (2,), (1,))]
     return pg.CaptureResult(
         backend="inductor",
         fn_name="predict",
-        module_positions=[0],
         num_positional_args=2,
         # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
-        module_training=[[True] * 4],
-        param_names=["0.weight", "0.bias", "2.weight", "2.bias"],
-        buffer_names=[],
-        param_shapes=[(8, 4), (8,), (2, 8), (2,)],
-        buffer_shapes=[],
-        param_strides=[(4, 1), (1,), (8, 1), (1,)],
-        buffer_strides=[],
-        param_dtypes=["torch.float32"] * 4,
-        buffer_dtypes=[],
-        param_devices=["cpu"] * 4,
-        buffer_devices=[],
-        param_requires_grad=[True] * 4,
-        buffer_requires_grad=[],
+        modules=[ModuleArgument(position=0, training=[True] * 4)],
+        params=[
+            StateTensor(name, shape, stride, "torch.float32", "cpu", True)
+            for name, shape, stride in weights
+        ],
+        buffers=[],
         grad_param_indices=[],
         grad_resets=[],
         in_spec=(
@@ -110,19 +110,25 @@ def inductor_inference() -> pg.CaptureResult:
             f"[{_LEAF}]}}]"
         ),
         out_spec=f"[1, {_LEAF}]",
-        user_input_shapes=[(3, 4)],
-        user_input_dtypes=["torch.float32"],
-        user_input_devices=["cpu"],
-        user_input_bounds=[None],
-        user_input_strides=[(4, 1)],
-        user_input_symbols=[None],
-        user_input_values=[None],
+        leaves=[
+            InputLeaf(
+                shape=(3, 4),
+                dtype="torch.float32",
+                device="cpu",
+                bounds=None,
+                symbols=None,
+                stride=(4, 1),
+                value=None,
+            )
+        ],
         aliased_inputs=[],
-        graph_source=(FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
-        tensor_literals=[],
-        graph_imports=[],
-        graph_in_spec=None,
-        graph_out_spec=None,
+        graph=CompiledGraph(
+            source=(FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
+            tensor_literals=[],
+            imports=[],
+            in_spec=None,
+            out_spec=None,
+        ),
         # The canned graph's kernels are not compiled here: nothing is pinned.
         kernel_binaries={},
         cache_artifact=None,
@@ -166,8 +172,9 @@ def test_golden(name: str, update_goldens: bool) -> None:
 def test_inductor_golden_splices_the_graph_verbatim() -> None:
     cap = inductor_inference()
     text = pg.render_artifact(cap)
-    assert cap.graph_source.strip("\n") in text
-    assert pg.parse_metadata(text)["PARAM_NAMES"] == cap.param_names
+    assert cap.graph.source.strip("\n") in text
+    names = [param.name for param in cap.params]
+    assert pg.parse_metadata(text)["PARAM_NAMES"] == names
 
 
 def test_goldens_have_no_stale_files() -> None:

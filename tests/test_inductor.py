@@ -119,11 +119,11 @@ def test_float_output_next_to_tensors_suggests_eager() -> None:
 def _stub_forward(call_body: str) -> object:
     """The inductor driver around a stand-in ``call`` that runs ``call_body``."""
     graph = f"def call(flat_inputs: list[object]) -> list[object]:\n    {call_body}\n"
+    stub = stub_capture("inductor")
     cap = dataclasses.replace(
-        stub_capture("inductor"),
-        graph_source=graph,
-        user_input_shapes=[(2, 4)],
-        user_input_bounds=[None],
+        stub,
+        graph=dataclasses.replace(stub.graph, source=graph),
+        leaves=[stub.leaves[0]._replace(shape=(2, 4), bounds=None)],
         grad_param_indices=[],
         aliased_inputs=[],
     )

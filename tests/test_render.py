@@ -16,7 +16,13 @@ import pytest
 from test_golden import CASES  # the golden captures
 
 import precompile_gen as pg
-from precompile_gen.capture_result import Backend
+from precompile_gen.capture_result import (
+    METADATA_NAMES,
+    Backend,
+    InputLeaf,
+    StateTensor,
+    metadata_constants,
+)
 from precompile_gen.render import (
     GRAPH_MARKER,
     assignment,
@@ -43,20 +49,26 @@ def large_capture(backend: Backend) -> pg.CaptureResult:
     return dataclasses.replace(
         stub_capture(backend),
         fn_name="large",
-        param_names=names,
-        param_shapes=[(16, 16)] * count,
-        param_strides=[(16, 1)] * count,
-        param_dtypes=["torch.float32"] * count,
-        param_devices=["cpu"] * count,
-        param_requires_grad=[i % 3 != 0 for i in range(count)],
+        params=[
+            StateTensor(name, (16, 16), (16, 1), "torch.float32", "cpu", i % 3 != 0)
+            for i, name in enumerate(names)
+        ],
         grad_param_indices=[i for i in range(count) if i % 3 != 0],
-        user_input_shapes=[(None, 4), (None, None, 8), None],
-        user_input_dtypes=["torch.float32", "torch.bfloat16", None],
-        user_input_devices=["cpu", "cpu", None],
-        user_input_bounds=[{0: (1, 64)}, {1: (None, 9), 0: (2, None)}, None],
-        user_input_strides=[None, None, None],
-        user_input_symbols=[{0: "u0"}, {0: "u0", 1: "u1"}, None],
-        user_input_values=[None, None, "caf\u00e9 'q' \"q\""],
+        leaves=[
+            InputLeaf(
+                (None, 4), "torch.float32", "cpu", {0: (1, 64)}, {0: "u0"}, None, None
+            ),
+            InputLeaf(
+                (None, None, 8),
+                "torch.bfloat16",
+                "cpu",
+                {1: (None, 9), 0: (2, None)},
+                {0: "u0", 1: "u1"},
+                None,
+                None,
+            ),
+            InputLeaf(None, None, None, None, None, None, "caf\u00e9 'q' \"q\""),
+        ],
     )
 
 
@@ -157,7 +169,10 @@ def test_graph_is_spliced_verbatim_with_one_copy(padding: str) -> None:
     # Black never sees the graph: a line black would rewrite stays as it is.
     line = "x=[1,2 ,3]  # (not black-formatted)\n"
     graph = line * (8 * 2**20 // len(line))
-    cap = dataclasses.replace(stub_capture("inductor"), graph_source=padding + graph)
+    stub = stub_capture("inductor")
+    cap = dataclasses.replace(
+        stub, graph=dataclasses.replace(stub.graph, source=padding + graph)
+    )
     render_skeleton(cap)  # templates loaded and compiled outside the measurement
     tracemalloc.start()
     try:
@@ -191,3 +206,11 @@ def test_function_name_cannot_inject_code_through_the_header(backend: Backend) -
 def test_render_artifact_names_a_wrong_argument() -> None:
     with pytest.raises(ValueError, match="takes the CaptureResult"):
         pg.render_artifact("python_code")  # type: ignore[arg-type]
+
+
+def test_metadata_constants_come_from_the_records_in_emission_order() -> None:
+    cap = stub_capture("inductor")
+    constants = metadata_constants(cap)
+    assert tuple(constants) == METADATA_NAMES
+    assert constants["PARAM_NAMES"] == [param.name for param in cap.params]
+    assert constants["USER_INPUT_SYMBOLS"] == [leaf.symbols for leaf in cap.leaves]

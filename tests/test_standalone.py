@@ -19,6 +19,12 @@ from typing import Any
 import pytest
 
 import precompile_gen as pg
+from precompile_gen.capture_result import (
+    InputLeaf,
+    ModuleArgument,
+    StateTensor,
+    metadata_constants,
+)
 from precompile_gen.stubs import stub_capture
 
 # Executed both here and in the child processes, so both sides build the same model
@@ -166,19 +172,25 @@ def hand_built_capture() -> pg.CaptureResult:
     return dataclasses.replace(
         stub_capture("eager"),
         fn_name="hand_built",
-        module_positions=[0, 2],
         num_positional_args=3,
-        module_training=[[True], [False, True]],
-        param_names=["m0.w\u00e9ight", "m1.bias"],
-        param_shapes=[(4, 4), (4,)],
-        param_dtypes=["torch.float32", "torch.bfloat16"],
-        param_devices=["cpu", "cpu"],
+        modules=[ModuleArgument(0, [True]), ModuleArgument(2, [False, True])],
+        params=[
+            StateTensor("m0.w\u00e9ight", (4, 4), (4, 1), "torch.float32", "cpu", True),
+            StateTensor("m1.bias", (4,), (1,), "torch.bfloat16", "cpu", True),
+        ],
         grad_param_indices=[1],
-        user_input_shapes=[(None, 4), None],
-        user_input_dtypes=["torch.float32", None],
-        user_input_devices=["cpu", None],
-        user_input_bounds=[{1: (None, 9), 0: (1, 64)}, None],
-        user_input_values=[None, 0.1],
+        leaves=[
+            InputLeaf(
+                (None, 4),
+                "torch.float32",
+                "cpu",
+                {1: (None, 9), 0: (1, 64)},
+                {0: "u0"},
+                None,
+                None,
+            ),
+            InputLeaf(None, None, None, None, None, None, 0.1),
+        ],
     )
 
 
@@ -299,6 +311,6 @@ def test_same_capture_renders_the_same_bytes_in_any_process(
 def test_hand_built_capture_renders_its_own_metadata() -> None:
     cap = hand_built_capture()
     text = pg.render_artifact(cap)
-    assert pg.parse_metadata(text) == cap.metadata()
+    assert pg.parse_metadata(text) == metadata_constants(cap)
     assert "USER_INPUT_BOUNDS" in text
     assert "{0: (1, 64), 1: (None, 9)}" in text
