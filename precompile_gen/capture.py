@@ -25,6 +25,7 @@ from torch.nn.utils import stateless
 
 from precompile_gen import (
     aliasing,
+    convention,
     dynamic_dims,
     grad_resets,
 )
@@ -108,31 +109,18 @@ class TracedGraph:
 
 
 def lift_module_state(modules: list[torch.nn.Module]) -> ModuleState:
-    """All modules' parameters, then all modules' buffers, interned by identity.
-
-    The artifact's driver re-derives the same list from the runtime model; the order
-    (``named_parameters(remove_duplicate=False)``, then buffers) is the calling
-    convention and must match it exactly.
-    """
-    tensors: list[torch.Tensor] = []
-    index_of: dict[int, int] = {}
-    bindings: list[tuple[int, str, int]] = []
-    names: dict[str, list[str]] = {"parameters": [], "buffers": []}
-    prefix = len(modules) > 1
-    for kind in ("parameters", "buffers"):
-        for mi, module in enumerate(modules):
-            members = (
-                module.named_parameters(remove_duplicate=False)
-                if kind == "parameters"
-                else module.named_buffers(remove_duplicate=False)
-            )
-            for name, tensor in members:
-                if id(tensor) not in index_of:
-                    index_of[id(tensor)] = len(tensors)
-                    tensors.append(tensor)
-                    names[kind].append(f"m{mi}.{name}" if prefix else name)
-                bindings.append((mi, name, index_of[id(tensor)]))
-    return ModuleState(tensors, names["parameters"], names["buffers"], bindings)
+    """The graph's leading inputs as the calling convention gathers them
+    (``convention.module_state``), with the bindings that reparametrise each module
+    completely, aliases of tied tensors included."""
+    tensors, names, num_params = convention.module_state(modules)
+    index_of = {id(tensor): index for index, tensor in enumerate(tensors)}
+    bindings = [
+        (mi, name, index_of[id(tensor)])
+        for mi, module in enumerate(modules)
+        for kind in ("named_parameters", "named_buffers")
+        for name, tensor in convention.named_members([module], kind)
+    ]
+    return ModuleState(tensors, names[:num_params], names[num_params:], bindings)
 
 
 def trace(
@@ -377,37 +365,12 @@ def _leaf_names(
     module_positions: list[int],
     user_inputs: tuple[object, ...],
 ) -> list[str]:
-    """Each user-input leaf named by where it sits in the call, e.g. "argument 1['x']"
-    (the artifact's driver names leaves the same way)."""
+    """Each user-input leaf named by where it sits in the call, as the artifact's
+    driver names it (e.g. "argument 1['x']")."""
     user_positions = [
         i for i in range(len(example_inputs)) if i not in module_positions
     ]
-    return [
-        f"argument {user_positions[index]}{path}"
-        for index, argument in enumerate(user_inputs)
-        for path in leaf_paths(argument)
-    ]
-
-
-def leaf_paths(tree: object) -> list[str]:
-    """The path of each of ``tree``'s pytree leaves as ``pytree.keystr`` writes it
-    (``['x'][0]``). A node type registered without ``flatten_with_keys_fn`` (common in
-    older code) has its children named by position, where torch's own
-    ``tree_flatten_with_path`` would raise."""
-    if pytree.tree_is_leaf(tree):
-        return [""]
-    node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
-    keyed: list[tuple[Any, object]]
-    if node.flatten_with_keys_fn is not None:
-        keyed = node.flatten_with_keys_fn(tree)[0]
-    else:
-        children = node.flatten_fn(tree)[0]
-        keyed = [(pytree.SequenceKey(i), child) for i, child in enumerate(children)]
-    return [
-        pytree.keystr((key,)) + path
-        for key, child in keyed
-        for path in leaf_paths(child)
-    ]
+    return convention.leaf_names(user_positions, user_inputs)
 
 
 def _reject_symbolic_aliasing(
@@ -463,7 +426,7 @@ def _reject_opaque_results(result: object, leaves: list[object], fn_name: str) -
     if index is None:
         return
     # The leaves' paths only for the message: a second walk over the result.
-    path = leaf_paths(result)[index]
+    path = convention.leaf_paths(result)[index]
     where = f"at {path}" if path else "as a whole"
     raise PrecompileError(
         f"{fn_name!r} returns an object of type {type(leaves[index]).__name__} "

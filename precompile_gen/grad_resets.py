@@ -23,27 +23,12 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from precompile_gen import convention
 from precompile_gen.errors import PrecompileError
 
 # parameter index (into PARAM_NAMES) -> whether its .grad ends up None (True) or
 # zeroed in place (False) when the function's resets are applied to an existing one.
 Resets = dict[int, bool]
-
-
-def reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
-    """What ``zero_grad(set_to_none)`` does to one parameter. (The artifact's driver
-    has its own copy: it runs without precompile_gen.)"""
-    grad = param.grad
-    if grad is None:
-        return
-    if set_to_none:
-        param.grad = None
-        return
-    if grad.grad_fn is not None:
-        grad.detach_()
-    else:
-        grad.requires_grad_(False)
-    grad.zero_()
 
 
 @contextlib.contextmanager
@@ -68,7 +53,7 @@ def recording(
                     "module argument, so the artifact could not reset it. Reset that "
                     "tensor's .grad outside the precompiled function."
                 )
-            reset_grad(copies[index], set_to_none)
+            convention.reset_grad(copies[index], set_to_none)
             resets[index] = resets.get(index, False) or set_to_none
 
     def module_zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from torch.utils import _pytree as pytree
 
+from precompile_gen import convention
 from precompile_gen.load import metadata_of, parse_artifact
 from precompile_gen.sections import Section, split_sections
 
@@ -155,7 +156,7 @@ def format_report(report: dict[str, Any]) -> str:
             ["argument", "names", "mode", "parameters", "buffers", "elements"],
             [
                 [
-                    f"arg{m['position']}",
+                    str(m["position"]),
                     f"{m['prefix']}*",
                     str(m["mode"]),
                     str(m["parameters"]),
@@ -477,19 +478,16 @@ def _user_inputs(metadata: dict[str, object]) -> dict[str, object]:
 def _leaf_names(
     in_spec: str | None, positions: list[int], count: int
 ) -> tuple[list[str], str]:
-    """Each user-input leaf named by where it sits in the call (``arg1['x']``), and
-    the inputs' structure; by index when the spec is absent or unreadable here."""
+    """Each user-input leaf named by where it sits in the call, as the driver's
+    errors name it (``argument 1['x']``), and the inputs' structure; by index when
+    the spec is absent or unreadable here."""
     fallback = [f"leaf {i}" for i in range(count)]
     if in_spec is None:
         return fallback, "not recorded"
     try:
         spec = pytree.treespec_loads(in_spec)
         placeholders = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-        paths = [path for path, _ in pytree.tree_flatten_with_path(placeholders)[0]]
-        names = [
-            f"arg{positions[cast(Any, path[0]).idx]}{pytree.keystr(path[1:])}"
-            for path in paths
-        ]
+        names = convention.leaf_names(positions, tuple(placeholders))
         structure = pytree.treespec_pprint(spec)
     except Exception:  # a container type not registered in this process
         return fallback, "not readable here"

@@ -17,6 +17,7 @@ import functools
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -204,6 +205,81 @@ def format_python(source: str) -> str:
     return black.format_str(source, mode=mode)
 
 
+@dataclass(frozen=True)
+class DriverFeatures:
+    """What of the driver a capture needs: each flag includes a template of
+    ``templates/driver/`` (or a branch of one), so an artifact carries only the
+    checks and the work its capture calls for."""
+
+    # Positions of the non-module arguments, and the call's shape in words.
+    user_positions: list[int]
+    signature: str
+    several_modules: bool
+    # Every non-module argument is one tensor (no nesting, no other values).
+    tensor_arguments: bool
+    non_tensor_leaves: bool
+    # bool/int/float/str leaves built into the graph.
+    values: bool
+    # mark_unbacked dims: their bounds, and dims that must share a size.
+    dynamic_dims: bool
+    shared_sizes: bool
+    # Inputs that shared a storage at capture.
+    aliasing: bool
+    # Inductor's strides, on the module state and on the input leaves.
+    state_layouts: bool
+    leaf_layouts: bool
+    gradients: bool
+    grad_resets: bool
+
+    @property
+    def layouts(self) -> bool:
+        return self.state_layouts or self.leaf_layouts
+
+
+def driver_features(cap: CaptureResult) -> DriverFeatures:
+    positions = {module.position for module in cap.modules}
+    user_positions = [i for i in range(cap.num_positional_args) if i not in positions]
+    leaves = cap.leaves
+    inductor = cap.backend == "inductor"
+    return DriverFeatures(
+        user_positions=user_positions,
+        signature=", ".join(
+            "module" if i in positions else "input"
+            for i in range(cap.num_positional_args)
+        ),
+        several_modules=len(cap.modules) > 1,
+        tensor_arguments=_flat_tuple_of_leaves(cap.in_spec, len(user_positions))
+        and all(leaf.shape is not None for leaf in leaves),
+        non_tensor_leaves=any(leaf.shape is None for leaf in leaves),
+        values=any(leaf.value is not None for leaf in leaves),
+        dynamic_dims=any(leaf.bounds for leaf in leaves),
+        shared_sizes=any(leaf.symbols for leaf in leaves),
+        aliasing=bool(cap.aliased_inputs),
+        state_layouts=inductor
+        and any(t.stride is not None for t in [*cap.params, *cap.buffers]),
+        leaf_layouts=inductor and any(leaf.stride is not None for leaf in leaves),
+        gradients=bool(cap.grad_param_indices),
+        grad_resets=bool(cap.grad_resets),
+    )
+
+
+def _flat_tuple_of_leaves(in_spec: str | None, count: int) -> bool:
+    """Whether ``in_spec`` is a tuple of ``count`` leaves (the arguments themselves)."""
+    if in_spec is None:
+        return False
+    import json
+
+    try:
+        _, spec = json.loads(in_spec)
+    except ValueError:
+        return False
+    leaf = {"type": None, "context": None, "children_spec": []}
+    return (
+        spec.get("type") == "builtins.tuple"
+        and spec.get("children_spec") == [leaf] * count
+    )
+
+
 def render_skeleton(cap: CaptureResult) -> str:
     """The artifact's text with ``GRAPH_MARKER`` where the compiled graph goes.
 
@@ -213,7 +289,12 @@ def render_skeleton(cap: CaptureResult) -> str:
     skeleton = (
         environment()
         .get_template("artifact.py.j2")
-        .render(cap=cap, metadata=metadata_constants(cap), graph_marker=GRAPH_MARKER)
+        .render(
+            cap=cap,
+            metadata=metadata_constants(cap),
+            features=driver_features(cap),
+            graph_marker=GRAPH_MARKER,
+        )
     )
     if skeleton.count(GRAPH_MARKER) != 1:
         raise RuntimeError("artifact.py.j2 must place the graph marker exactly once")

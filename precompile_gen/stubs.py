@@ -2,14 +2,19 @@
 
 The driver lives in templates, out of reach of a type checker. Rendering each backend's
 artifact with typed placeholder metadata and a typed stand-in for the compiled graph
-gives ``.py`` files that ``pyrefly check`` covers like any other code.
+gives ``.py`` files that ``pyrefly check`` covers like any other code: once with every
+driver feature on and once with every one off, so each branch of each template is
+rendered and checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from precompile_gen.capture_result import (
+    BACKENDS,
     Backend,
     CaptureResult,
     CompiledGraph,
@@ -97,12 +102,56 @@ def stub_capture(backend: Backend) -> CaptureResult:
     )
 
 
+def all_features_capture(backend: Backend) -> CaptureResult:
+    """``stub_capture`` with every driver feature on (``render.DriverFeatures``):
+    two module arguments, a nested input (an input leaf in a fixed layout and a
+    scalar besides) too."""
+    stub = stub_capture(backend)
+    return dataclasses.replace(
+        stub,
+        num_positional_args=4,
+        modules=[*stub.modules, ModuleArgument(position=2, training=[False])],
+        params=[stub.params[0]._replace(name="m0.weight")],
+        buffers=[stub.buffers[0]._replace(name="m0.running_mean")],
+        leaves=[
+            *stub.leaves,
+            InputLeaf((2, 4), "torch.float32", "cpu", None, None, (4, 1), None),
+            InputLeaf(None, None, None, None, None, None, 0.5),
+        ],
+        in_spec=None,
+    )
+
+
+def no_features_capture(backend: Backend) -> CaptureResult:
+    """An inference capture with every driver feature off: one module, one plain
+    tensor input, nothing shared, marked or laid out."""
+    stub = stub_capture(backend)
+    return dataclasses.replace(
+        stub,
+        params=[stub.params[0]._replace(stride=None, requires_grad=False)],
+        buffers=[stub.buffers[0]._replace(stride=None)],
+        grad_param_indices=[],
+        grad_resets=[],
+        leaves=[stub.leaves[0]._replace(shape=(2, 4), bounds=None, symbols=None)],
+        aliased_inputs=[],
+        graph=dataclasses.replace(stub.graph, tensor_literals=[]),
+    )
+
+
+STUBS: dict[str, Callable[[Backend], CaptureResult]] = {
+    "all_features": all_features_capture,
+    "no_features": no_features_capture,
+}
+
+
 def write_stubs(out_dir: Path) -> list[Path]:
-    """Write ``<backend>_artifact.py`` for each backend into ``out_dir``."""
+    """Write ``<backend>_<variant>.py`` for each backend and each of ``STUBS`` into
+    ``out_dir``: between them, every branch of every template."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for backend in ("eager", "inductor"):
-        path = out_dir / f"{backend}_artifact.py"
-        path.write_text(render_artifact(stub_capture(backend)), encoding="utf-8")
-        written.append(path)
+    for backend in BACKENDS:
+        for variant, make in STUBS.items():
+            path = out_dir / f"{backend}_{variant}.py"
+            path.write_text(render_artifact(make(backend)), encoding="utf-8")
+            written.append(path)
     return written

@@ -193,8 +193,10 @@ def test_console_script_runs_every_command(
     rc, out, err = results["stubs"]
     assert rc == 0, err
     assert sorted(Path(line).name for line in out.splitlines()) == [
-        "eager_artifact.py",
-        "inductor_artifact.py",
+        "eager_all_features.py",
+        "eager_no_features.py",
+        "inductor_all_features.py",
+        "inductor_no_features.py",
     ]
 
     rc, _, err = results["diff error"]
@@ -261,7 +263,7 @@ def test_inspect_shows_signature_state_inputs_output_graph_and_sections(
     )
     assert re.search(r"m1\.weight\s+parameter\s+\(3, 6\)\s+\(6, 1\)", out)
     assert re.search(
-        r"arg1\['x'\]\s+\(5, 4\)\s+-\s+\(4, 1\)\s+torch.float32\s+cpu", out
+        r"argument 1\['x'\]\s+\(5, 4\)\s+-\s+\(4, 1\)\s+torch.float32\s+cpu", out
     )
     assert "kernels            none (the eager backend runs ATen operators)" in out
     assert "aten.native_batch_norm x1" in out
@@ -274,7 +276,7 @@ def test_inspect_shows_signature_state_inputs_output_graph_and_sections(
     assert report["fn_name"] == "two_towers"
     assert report["module_positions"] == [0, 2]
     assert [m["buffers"] for m in report["modules"]] == [3, 0]
-    assert report["user_inputs"]["leaves"][0]["leaf"] == "arg1['x']"
+    assert report["user_inputs"]["leaves"][0]["leaf"] == "argument 1['x']"
     assert report["output"]["leaves"] == 3
     assert report["graph"]["kernels"] == []
     assert sum(report["graph"]["op_calls"].values()) > 0
@@ -298,8 +300,9 @@ def test_inspect_reports_harvested_grads_and_inductor_kernels() -> None:
 
 def test_inspect_shows_aliased_inputs_and_pinned_kernel_binaries() -> None:
     report = inspect_artifact(_golden("eager_literals_aliasing"))
-    assert report["aliased_inputs"] == [["arg1", "arg2"]]
-    assert "aliased inputs: arg1, arg2 share one storage" in format_report(report)
+    assert report["aliased_inputs"] == [["argument 1", "argument 2"]]
+    text = format_report(report)
+    assert "aliased inputs: argument 1, argument 2 share one storage" in text
     assert inspect_artifact(_golden("eager_inference"))["aliased_inputs"] == []
     # The inductor golden pins no binary; an artifact that pins one lists it.
     text = _golden("inductor_inference")
@@ -328,7 +331,7 @@ def test_inspect_shows_the_mode_each_module_was_traced_in() -> None:
         "mixed (3 of 4 modules training)",
         "eval",
     ]
-    assert re.search(r"arg2\s+m1\.\*\s+eval\s+2\s+0\s+21", format_report(report))
+    assert re.search(r"\n  2\s+m1\.\*\s+eval\s+2\s+0\s+21", format_report(report))
 
 
 def test_inspect_counts_kernels_by_kind_from_code_not_strings() -> None:
@@ -556,8 +559,15 @@ def test_diff_compares_goldens_section_by_section(
     assert out.rstrip().endswith("the artifacts are identical")
     code, out, _ = _cli(capsys, "diff", a, b)
     assert code == 1
-    # The driver is shared by both eager artifacts; the metadata lists constants.
-    assert re.search(r"^== 3\. Driver[^\n]*: identical$", out, re.M)
+    # Each driver carries what its capture needs: the training step's adds the
+    # gradients, and nothing else differs. The metadata lists constants.
+    assert re.search(
+        r"^== 3\. Driver: validate the call, run the graph -> 3\. Driver: validate "
+        r"the call, run the graph, scatter gradients: 5 lines removed, \d+ added$",
+        out,
+        re.M,
+    )
+    assert "+def _add_gradients(" in out
     assert re.search(r"^== 2\. Calling-convention metadata: ", out, re.M)
     assert "~ NUM_POSITIONAL_ARGS:\n    - 2\n    + 3" in out
     assert "~ GRAD_PARAM_INDICES:\n    - []\n    + [0, 1, 2, 3]" in out

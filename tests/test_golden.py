@@ -13,6 +13,7 @@ ISA; no tracing happens for it.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable
 from pathlib import Path
@@ -135,12 +136,50 @@ def inductor_inference() -> pg.CaptureResult:
     )
 
 
+def reset_and_step(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    model.zero_grad()
+    return train_step(model, x, target)
+
+
+def eager_grad_resets() -> pg.CaptureResult:
+    return pg.capture(
+        reset_and_step, _mlp(), torch.randn(3, 4), torch.randn(3, 2), backend="eager"
+    )
+
+
+def scaled(model: nn.Module, x: torch.Tensor, scale: float, act: str) -> torch.Tensor:
+    out = model(x) * scale
+    return torch.relu(out) if act == "relu" else out
+
+
+def eager_scalar_inputs() -> pg.CaptureResult:
+    return pg.capture(scaled, _mlp(), torch.randn(3, 4), 0.5, "relu", backend="eager")
+
+
+def inductor_dynamic_dims() -> pg.CaptureResult:
+    """The inductor capture with its batch dim marked (``mark_unbacked(x, 0, min=2,
+    max=64)``), written out by hand around the same canned module: only the driver
+    and metadata are pinned here."""
+    cap = inductor_inference()
+    leaf = cap.leaves[0]._replace(
+        shape=(None, 4), bounds={0: (2, 64)}, symbols={0: "u0"}, stride=None
+    )
+    return dataclasses.replace(cap, leaves=[leaf])
+
+
+# One golden per combination of features that changes the emitted driver, so a
+# template change shows in exactly the goldens whose feature it touches.
 CASES: dict[str, Callable[[], pg.CaptureResult]] = {
     "eager_inference": eager_inference,
     "eager_train_step": eager_train_step,
+    "eager_grad_resets": eager_grad_resets,
     "eager_multi_module": eager_multi_module,
+    "eager_scalar_inputs": eager_scalar_inputs,
     "eager_literals_aliasing": eager_literals_aliasing,
     "inductor_inference": inductor_inference,
+    "inductor_dynamic_dims": inductor_dynamic_dims,
 }
 
 

@@ -74,13 +74,13 @@ def full_checks(
     up in the artifact's namespace at each call)."""
     namespace = forward.__globals__
     calls: list[int] = []
-    walk = namespace["_module_state"]
+    walk = namespace["module_state"]
 
     def counted(modules: list[nn.Module]) -> object:
         calls.append(1)
         return walk(modules)
 
-    monkeypatch.setitem(namespace, "_module_state", counted)
+    monkeypatch.setitem(namespace, "module_state", counted)
     yield calls
 
 

@@ -2,39 +2,77 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 from precompile_gen.capture_result import BACKENDS
 from precompile_gen.cli import main
-from precompile_gen.render import environment, format_python
+from precompile_gen.render import (
+    DriverFeatures,
+    driver_features,
+    environment,
+    format_python,
+)
+from precompile_gen.stubs import STUBS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_stubs_cover_every_template() -> None:
-    # The stubs render artifact.py.j2 once per backend; that reaches every template
-    # below, and a new template must be added here (and so to what stubs render).
+    # The stubs render artifact.py.j2; that reaches every template below, and a new
+    # template must be added here (and so to what stubs render).
     shared = {
         "artifact.py.j2",
         "header.py.j2",
         "macros.py.j2",
         "metadata.py.j2",
-        "driver_common.py.j2",
         "main.py.j2",
         "tensor_literals.py.j2",
     }
-    per_backend = {
-        f"{b}_{part}.py.j2" for b in BACKENDS for part in ("graph", "driver")
+    graphs = {f"{b}_graph.py.j2" for b in BACKENDS}
+    driver = {
+        f"driver/{part}.py.j2"
+        for part in (
+            "driver",
+            "errors",
+            "arguments",
+            "convention",
+            "module_state",
+            "aliasing",
+            "layouts",
+            "fast_path",
+            "grad_resets",
+            "gradients",
+            "forward",
+        )
     }
-    assert set(environment().list_templates()) == shared | per_backend
+    assert set(environment().list_templates()) == shared | graphs | driver
+
+
+def test_stubs_render_each_driver_feature_both_on_and_off() -> None:
+    # Every branch of every driver template is rendered in some stub.
+    features = [
+        driver_features(make(backend))
+        for backend in BACKENDS
+        for make in STUBS.values()
+    ]
+    flags = [
+        field.name
+        for field in dataclasses.fields(DriverFeatures)
+        if field.type in ("bool", bool)
+    ]
+    assert len(flags) >= 10
+    for flag in [*flags, "layouts"]:
+        values = {getattr(f, flag) for f in features}
+        assert values == {True, False}, flag
 
 
 def test_stubs_command_writes_black_formatted_modules(tmp_path: Path) -> None:
     assert main(["stubs", str(tmp_path)]) == 0
     written = sorted(p.name for p in tmp_path.glob("*.py"))
-    assert written == sorted(f"{b}_artifact.py" for b in BACKENDS)
+    assert written == sorted(f"{b}_{v}.py" for b in BACKENDS for v in STUBS)
     for path in tmp_path.glob("*.py"):
         text = path.read_text(encoding="utf-8")
         compile(text, str(path), "exec")
@@ -60,9 +98,9 @@ def test_pyrefly_finds_no_errors_in_stubs(tmp_path: Path) -> None:
 def test_pyrefly_catches_a_type_error_in_a_stub(tmp_path: Path) -> None:
     # Guards the check above against passing vacuously (e.g. the lax preset).
     assert main(["stubs", str(tmp_path)]) == 0
-    bad = tmp_path / "eager_artifact.py"
+    bad = tmp_path / "eager_all_features.py"
     bad.write_text(
-        bad.read_text(encoding="utf-8") + "\n_module_state(3)\n", encoding="utf-8"
+        bad.read_text(encoding="utf-8") + "\nmodule_state(3)\n", encoding="utf-8"
     )
     result = subprocess.run(
         [sys.executable, "-m", "pyrefly", "check", "-c", "pyproject.toml", str(bad)],

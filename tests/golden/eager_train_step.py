@@ -169,7 +169,6 @@ KERNEL_BINARIES: dict[str, str] = {}
 # ====================================================================================
 # 3. Driver: validate the call, run the graph, scatter gradients
 # ====================================================================================
-import reprlib
 import weakref
 from collections.abc import Callable
 from itertools import chain
@@ -195,29 +194,15 @@ def _fail(message: str) -> NoReturn:
     raise error_type(message)
 
 
-# Derived from the metadata once, when the artifact is executed, so a call only compares.
-_USER_POSITIONS: list[int] = [
-    i for i in range(NUM_POSITIONAL_ARGS) if i not in MODULE_POSITIONS
-]
-_SIGNATURE: str = ", ".join(
-    "module" if i in MODULE_POSITIONS else "input" for i in range(NUM_POSITIONAL_ARGS)
-)
+# The calling convention of this capture, written out from the metadata.
+_USER_POSITIONS: list[int] = [1, 2]
+_SIGNATURE: str = "module, input, input"
 _IN_SPEC: pytree.TreeSpec | None = (
     None if IN_SPEC is None else pytree.treespec_loads(IN_SPEC)
 )
-_OUT_SPEC: pytree.TreeSpec = pytree.treespec_loads(OUT_SPEC)
-_STATE_NAMES: list[str] = PARAM_NAMES + BUFFER_NAMES
-_STATE_SHAPES: list[tuple[int, ...]] = PARAM_SHAPES + BUFFER_SHAPES
-_STATE_DTYPES: list[str] = PARAM_DTYPES + BUFFER_DTYPES
-_STATE_DEVICES: list[str] = PARAM_DEVICES + BUFFER_DEVICES
-_STATE_REQUIRES_GRAD: list[bool] = PARAM_REQUIRES_GRAD + BUFFER_REQUIRES_GRAD
-# Where the example's other arguments were all tensors, a call passing plain tensors
-# there needs no pytree flattening: the arguments are the leaves.
-_TENSOR_ARGUMENTS: bool = (
-    _IN_SPEC is not None
-    and _IN_SPEC == pytree.tree_structure(tuple(_USER_POSITIONS))
-    and None not in USER_INPUT_SHAPES
-)
+# The example's other arguments were all tensors: a call passing plain tensors there
+# needs no pytree flattening, the arguments are the leaves.
+_TENSOR_ARGUMENTS: bool = True
 
 
 def _leaf_signature(index: int) -> tuple[torch.Size, torch.dtype, torch.device] | None:
@@ -240,31 +225,22 @@ def _leaf_signature(index: int) -> tuple[torch.Size, torch.dtype, torch.device] 
 _LEAF_SIGNATURES: list[tuple[torch.Size, torch.dtype, torch.device] | None] = [
     _leaf_signature(index) for index in range(len(USER_INPUT_SHAPES))
 ]
-# Inputs that shared a storage at capture: each member's position among the graph's
-# inputs, mapped to its group's first position.
-_ALIAS_OWNER: dict[int, int] = {
-    position: min(group) for group in ALIASED_INPUTS for position in group
-}
-_NUM_STATE: int = len(_STATE_NAMES)
-# The leaves with dynamic dims: (leaf index, {dim: symbol}).
-_LEAF_SYMBOLS: list[tuple[int, dict[int, str]]] = [
-    (index, symbols) for index, symbols in enumerate(USER_INPUT_SYMBOLS) if symbols
-]
 
 
-def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
-    """Name an input leaf by where it sits in the call, e.g. "argument 1['x'][0]"."""
-    names = [
+def leaf_names(positions: list[int], arguments: tuple[object, ...]) -> list[str]:
+    """Each leaf of the non-module ``arguments`` (at ``positions`` in the call) named
+    by where it sits, e.g. "argument 1['x'][0]"."""
+    return [
         f"argument {position}{path}"
-        for position, argument in zip(_USER_POSITIONS, user_inputs)
-        for path in _leaf_paths(argument)
+        for position, argument in zip(positions, arguments, strict=True)
+        for path in leaf_paths(argument)
     ]
-    return names[leaf_index]
 
 
-def _leaf_paths(tree: object) -> list[str]:
-    # Key paths as pytree.keystr writes them; by position for a node type registered
-    # without flatten_with_keys_fn, where tree_flatten_with_path would raise.
+def leaf_paths(tree: object) -> list[str]:
+    """The path of each of ``tree``'s pytree leaves as ``pytree.keystr`` writes it
+    (``['x'][0]``); by position for a node type registered without
+    ``flatten_with_keys_fn``, where ``tree_flatten_with_path`` would raise."""
     if pytree.tree_is_leaf(tree):
         return [""]
     node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
@@ -277,8 +253,12 @@ def _leaf_paths(tree: object) -> list[str]:
     return [
         pytree.keystr((key,)) + path
         for key, child in keyed
-        for path in _leaf_paths(child)
+        for path in leaf_paths(child)
     ]
+
+
+def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
+    return leaf_names(_USER_POSITIONS, user_inputs)[leaf_index]
 
 
 def _reject_keywords(keywords: dict[str, object]) -> NoReturn:
@@ -337,47 +317,12 @@ def _split_arguments(
             or (leaf.shape, leaf.dtype, leaf.device) != signature
         ):
             _check_leaf(user_inputs, index, leaf)
-    _check_shared_sizes(user_inputs, leaves)
     return modules, leaves
-
-
-def _check_shared_sizes(user_inputs: tuple[object, ...], leaves: list[object]) -> None:
-    # Dynamic dims marked with one shape_id share a symbol in the graph, which
-    # assumes their sizes are equal.
-    seen: dict[str, tuple[str, int]] = {}
-    for index, symbols in _LEAF_SYMBOLS:
-        for dim, symbol in symbols.items():
-            size = cast(torch.Tensor, leaves[index]).shape[dim]
-            where = f"{_leaf_name(user_inputs, index)} dim {dim}"
-            first = seen.setdefault(symbol, (where, size))
-            if first[1] != size:
-                _fail(
-                    f"{where} has size {size} but {first[0]} has size {first[1]}; "
-                    "their dims were marked with one mark_unbacked shape_id, so the "
-                    "graph assumes they are equal. Pass equal sizes in those dims."
-                )
 
 
 def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> None:
     shape = USER_INPUT_SHAPES[index]
-    if shape is None:
-        if isinstance(leaf, torch.Tensor):
-            _fail(
-                f"{_leaf_name(user_inputs, index)} is a tensor, but the captured "
-                "example had a non-tensor value there, which the graph specialised "
-                "on. Pass the example's value."
-            )
-        value = USER_INPUT_VALUES[index]
-        if value is not None and (type(leaf) is not type(value) or leaf != value):
-            traced = reprlib.repr(value)
-            _fail(
-                f"{_leaf_name(user_inputs, index)} is {reprlib.repr(leaf)}, but the "
-                f"function was traced with {traced}, which the graph has built in: "
-                f"non-tensor inputs are specialised to the example. Pass {traced}, "
-                "or capture again with this value (or with a tensor there, to vary "
-                "it)."
-            )
-        return
+    assert shape is not None  # every leaf of this capture is a tensor
     if not isinstance(leaf, torch.Tensor):
         _fail(
             f"{_leaf_name(user_inputs, index)} must be a tensor of shape "
@@ -406,16 +351,6 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
             f"the artifact was captured on {USER_INPUT_DEVICES[index]!r}. Move it with "
             f".to({USER_INPUT_DEVICES[index]!r}), or capture again on this device."
         )
-    bounds = USER_INPUT_BOUNDS[index]
-    for dim, (low, high) in (bounds or {}).items():
-        size = leaf.shape[dim]
-        if (low is not None and size < low) or (high is not None and size > high):
-            _fail(
-                f"{_leaf_name(user_inputs, index)} has size {size} in dim {dim}, "
-                "outside the bounds its mark_unbacked declared at capture "
-                f"({_show_bounds(low, high)}). Pass a size within them, or capture "
-                "again with wider bounds."
-            )
 
 
 def _show_shape(shape: tuple[int | None, ...]) -> str:
@@ -423,34 +358,45 @@ def _show_shape(shape: tuple[int | None, ...]) -> str:
     return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
 
 
-def _show_bounds(low: int | None, high: int | None) -> str:
-    # In mark_unbacked's own keywords, which is where the user declared them.
-    shown = [] if low is None else [f"min={low}"]
-    return ", ".join(shown + ([] if high is None else [f"max={high}"]))
+_STATE_NAMES: list[str] = PARAM_NAMES + BUFFER_NAMES
+_STATE_SHAPES: list[tuple[int, ...]] = PARAM_SHAPES + BUFFER_SHAPES
+_STATE_DTYPES: list[str] = PARAM_DTYPES + BUFFER_DTYPES
+_STATE_DEVICES: list[str] = PARAM_DEVICES + BUFFER_DEVICES
+_STATE_REQUIRES_GRAD: list[bool] = PARAM_REQUIRES_GRAD + BUFFER_REQUIRES_GRAD
+_NUM_STATE: int = len(_STATE_NAMES)
 
 
-def _module_state(
+def named_members(
+    modules: list[torch.nn.Module], kind: str
+) -> list[tuple[str, torch.Tensor]]:
+    """Each module's ``named_parameters`` or ``named_buffers`` (``kind``), aliases of
+    tied tensors included, named as PARAM_NAMES and BUFFER_NAMES name them: with
+    several module arguments, prefixed by the module's index ("m0.", "m1.", ...)."""
+    prefix = len(modules) > 1
+    return [
+        (f"m{index}.{name}" if prefix else name, tensor)
+        for index, module in enumerate(modules)
+        for name, tensor in getattr(module, kind)(remove_duplicate=False)
+    ]
+
+
+def module_state(
     modules: list[torch.nn.Module],
-) -> tuple[list[torch.Tensor], list[str]]:
-    """The modules' parameters then buffers, each tensor once, in capture order; with
-    the names PARAM_NAMES + BUFFER_NAMES use for them."""
+) -> tuple[list[torch.Tensor], list[str], int]:
+    """The graph's leading inputs: the modules' parameters, then their buffers, each
+    tensor once; their names (PARAM_NAMES + BUFFER_NAMES); how many are parameters."""
     tensors: list[torch.Tensor] = []
     names: list[str] = []
     seen: set[int] = set()
-    prefix = len(modules) > 1
-    for kind in ("parameters", "buffers"):
-        for index, module in enumerate(modules):
-            members = (
-                module.named_parameters(remove_duplicate=False)
-                if kind == "parameters"
-                else module.named_buffers(remove_duplicate=False)
-            )
-            for name, tensor in members:
-                if id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    tensors.append(tensor)
-                    names.append(f"m{index}.{name}" if prefix else name)
-    return tensors, names
+    num_params = 0
+    for kind in ("named_parameters", "named_buffers"):
+        for name, tensor in named_members(modules, kind):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append(tensor)
+                names.append(name)
+        num_params = num_params or len(tensors)
+    return tensors, names, num_params
 
 
 def _check_module_state(
@@ -504,17 +450,11 @@ def _check_module_state(
 def _describe_state_difference(modules: list[torch.nn.Module], names: list[str]) -> str:
     # Error path only: name every member, aliases of tied tensors included, to tell
     # a tying difference apart from a missing or renamed member.
-    prefix = len(modules) > 1
     first_name: dict[int, str] = {}
     alias_of: dict[str, str] = {}
-    for index, module in enumerate(modules):
-        members = [
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
-        ]
-        for name, tensor in members:
-            qualified = f"m{index}.{name}" if prefix else name
-            alias_of[qualified] = first_name.setdefault(id(tensor), qualified)
+    for kind in ("named_parameters", "named_buffers"):
+        for name, tensor in named_members(modules, kind):
+            alias_of[name] = first_name.setdefault(id(tensor), name)
     missing = [n for n in _STATE_NAMES if n not in names and n not in alias_of]
     unexpected = [n for n in names if n not in _STATE_NAMES]
     problems = [
@@ -545,7 +485,7 @@ def _describe_mode_difference(
     index: int, module: torch.nn.Module, traced_modes: list[bool]
 ) -> str:
     # Error path only: name the first module whose mode differs.
-    prefix = f"m{index}" if len(MODULE_POSITIONS) > 1 else ""
+    prefix = ""
     named = list(module.named_modules())
     if len(named) != len(traced_modes):
         owner = f"module {prefix!r}" if prefix else "the model"
@@ -604,7 +544,7 @@ def _check_aliasing(
         for leaf in leaves
     ]
     used = [pointer for pointer in pointers if pointer]
-    if not _ALIAS_OWNER and not state.sharing:
+    if not state.sharing:
         # The usual case, nothing shared at capture: distinct storages, none the
         # model's, is all there is to check.
         distinct = set(used)
@@ -622,29 +562,8 @@ def _check_aliasing(
         if owner != position:
             sharing[position] = owner
             sharing[owner] = owner
-    if sharing != _ALIAS_OWNER:
-        _fail(_describe_aliasing_difference(args, sharing))
-    inputs = [*state.tensors, *leaves]
-    for group in ALIASED_INPUTS:
-        for position, (offset, strides) in group.items():
-            tensor = cast(torch.Tensor, inputs[position])
-            if tensor.storage_offset() != offset or not _same_layout(tensor, strides):
-                others = _input_names(args, sorted(set(group) - {position}))
-                _fail(
-                    f"{_input_names(args, [position])} shares a storage with "
-                    f"{others} as at capture, but at offset {tensor.storage_offset()} "
-                    f"with strides {tuple(tensor.stride())} in it, where the graph "
-                    f"was traced with offset {offset} and strides {strides}. Pass "
-                    "views at the example's offsets, or capture again with these."
-                )
-
-
-def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
-    # A dim of size 0 or 1 is never stepped over, so its stride does not matter.
-    return all(
-        size <= 1 or got == want
-        for size, got, want in zip(tensor.shape, tensor.stride(), strides)
-    )
+    # Nothing shared a storage at capture, so any sharing is a difference.
+    _fail(_describe_aliasing_difference(args, sharing))
 
 
 def _describe_aliasing_difference(
@@ -652,21 +571,15 @@ def _describe_aliasing_difference(
 ) -> str:
     # Error path only: name the first group that differs, in the words of the call.
     now = _groups(sharing)
-    then = _groups(_ALIAS_OWNER)
-    for members in now:
-        if members not in then:
-            return (
-                f"{_input_names(args, members)} share one storage in this call (the "
-                "same tensor, or views of one), but did not at capture, and the graph "
-                "may write through one of them and read another. Pass separate "
-                "tensors (.clone() one of them), or capture again with this aliasing."
-            )
-    members = next(members for members in then if members not in now)
+    return _newly_shared(args, now[0])
+
+
+def _newly_shared(args: tuple[object, ...], members: list[int]) -> str:
     return (
-        f"{_input_names(args, members)} were one tensor (or views of one storage) at "
-        "capture, and the graph was traced and compiled as such, but they do not "
-        "share one storage in this call. Pass them as at capture (the same tensor, "
-        "or views of one), or capture again with separate tensors."
+        f"{_input_names(args, members)} share one storage in this call (the same "
+        "tensor, or views of one), but did not at capture, and the graph may write "
+        "through one of them and read another. Pass separate tensors (.clone() one of "
+        "them), or capture again with this aliasing."
     )
 
 
@@ -837,21 +750,6 @@ def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
         _remembered = None
 
 
-def _reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
-    # What zero_grad(set_to_none) does to one parameter.
-    grad = param.grad
-    if grad is None:
-        return
-    if set_to_none:
-        param.grad = None
-        return
-    if grad.grad_fn is not None:
-        grad.detach_()
-    else:
-        grad.requires_grad_(False)
-    grad.zero_()
-
-
 def _run_grad_hooks(
     hooks: dict[int, Callable[..., Any]], grad: torch.Tensor
 ) -> torch.Tensor:
@@ -874,17 +772,13 @@ def _run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
                 hook(param)
 
 
-def _finish(tensors: list[torch.Tensor], flat_outputs: list[object]) -> object:
-    """Reset the gradients the function's zero_grad() reset, add the trailing gradient
-    outputs to the parameters' ``.grad`` as eager ``.backward()`` would (running the
-    parameters' gradient hooks), then rebuild the function's own result."""
-    for index, set_to_none in GRAD_RESETS:
-        _reset_grad(tensors[index], set_to_none)
-    num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
+def _add_gradients(tensors: list[torch.Tensor], grads: list[object]) -> None:
+    """Add the graph's trailing gradient outputs to the parameters' ``.grad`` as eager
+    ``.backward()`` would, running the parameters' gradient hooks."""
     accumulate_into: list[torch.Tensor] = []
     increments: list[torch.Tensor] = []
     post_hooked: list[torch.Tensor] = []
-    for index, output in zip(GRAD_PARAM_INDICES, flat_outputs[num_results:]):
+    for index, output in zip(GRAD_PARAM_INDICES, grads):
         grad = cast(torch.Tensor, output)
         param = tensors[index]
         hooks = param._backward_hooks
@@ -902,7 +796,9 @@ def _finish(tensors: list[torch.Tensor], flat_outputs: list[object]) -> object:
         torch._foreach_add_(accumulate_into, increments)
     for param in post_hooked:
         _run_post_accumulate_grad_hooks(param)
-    return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
+
+
+_OUT_SPEC: pytree.TreeSpec = pytree.treespec_loads(OUT_SPEC)
 
 
 def forward(*args: object, **keywords: object) -> object:
@@ -914,7 +810,7 @@ def forward(*args: object, **keywords: object) -> object:
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
     if state is None:
-        tensors, names = _module_state(modules)
+        tensors, names, _ = module_state(modules)
         _check_module_state(modules, tensors, names)
         state = _remember(modules, tensors)
     _check_aliasing(args, state, leaves)
@@ -922,7 +818,9 @@ def forward(*args: object, **keywords: object) -> object:
     # history for them would only cost memory.
     with torch.no_grad():
         flat_outputs = call([*state.tensors, *leaves])
-    return _finish(state.tensors, flat_outputs)
+    num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
+    _add_gradients(state.tensors, flat_outputs[num_results:])
+    return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""The calling convention, as capture and ``inspect`` apply it.
+
+How the graph's leading inputs are gathered from the module arguments, how input
+leaves are named and how a gradient is reset are defined once, as the driver's own
+code, in ``templates/driver/convention.py.j2``. An artifact carries the parts its
+driver needs; here all of it is rendered and executed once, and the functions below
+call it, so capture, ``inspect`` and every artifact follow the same rules.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+_PRELUDE = """\
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+"""
+
+
+@functools.cache
+def _driver_code() -> dict[str, Any]:
+    from precompile_gen.render import environment
+
+    macros = environment().get_template("driver/convention.py.j2").module
+    names = ("named_members", "module_state", "leaf_names", "leaf_paths", "reset_grad")
+    text = _PRELUDE + "".join(f"\n\n{getattr(macros, name)()}" for name in names)
+    namespace: dict[str, Any] = {"__name__": "precompile_gen_convention"}
+    exec(compile(text, "<templates/driver/convention.py.j2>", "exec"), namespace)
+    return namespace
+
+
+def named_members(
+    modules: list[torch.nn.Module], kind: str
+) -> list[tuple[str, torch.Tensor]]:
+    """Each module's ``named_parameters`` or ``named_buffers`` (``kind``), aliases of
+    tied tensors included, by the names the artifact gives them ("m0." prefixes with
+    several module arguments)."""
+    return _driver_code()["named_members"](modules, kind)
+
+
+def module_state(
+    modules: list[torch.nn.Module],
+) -> tuple[list[torch.Tensor], list[str], int]:
+    """The graph's leading inputs: the modules' parameters, then their buffers, each
+    tensor once; their names (PARAM_NAMES + BUFFER_NAMES); how many are parameters."""
+    return _driver_code()["module_state"](modules)
+
+
+def leaf_names(positions: list[int], arguments: tuple[object, ...]) -> list[str]:
+    """Each leaf of the non-module ``arguments`` (at ``positions`` in the call) named
+    by where it sits, e.g. "argument 1['x'][0]"."""
+    return _driver_code()["leaf_names"](positions, arguments)
+
+
+def leaf_paths(tree: object) -> list[str]:
+    """The path of each of ``tree``'s pytree leaves, as ``pytree.keystr`` writes it."""
+    return _driver_code()["leaf_paths"](tree)
+
+
+def reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
+    """What ``zero_grad(set_to_none)`` does to one parameter."""
+    _driver_code()["reset_grad"](param, set_to_none)
