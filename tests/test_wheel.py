@@ -100,17 +100,18 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_wheel_ships_the_templates(wheel: Path) -> None:
-    sources = sorted((REPO_ROOT / "templates").glob("*.j2"))
-    assert sources
+    root = REPO_ROOT / "templates"
+    sources = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.j2"))
+    assert "driver/forward.py.j2" in sources
     with zipfile.ZipFile(wheel) as archive:
         shipped = {
             name: archive.read(name)
             for name in archive.namelist()
             if name.startswith("precompile_gen/templates/")
         }
-    assert sorted(shipped) == [f"precompile_gen/templates/{p.name}" for p in sources]
-    for path in sources:
-        assert shipped[f"precompile_gen/templates/{path.name}"] == path.read_bytes()
+    assert sorted(shipped) == [f"precompile_gen/templates/{name}" for name in sources]
+    for name in sources:
+        assert shipped[f"precompile_gen/templates/{name}"] == (root / name).read_bytes()
 
 
 @pytest.mark.slow

@@ -330,60 +330,27 @@ _IN_SPEC: pytree.TreeSpec | None = (
 _TENSOR_ARGUMENTS: bool = True
 
 
-def _leaf_signature(index: int) -> tuple[torch.Size, torch.dtype, torch.device] | None:
-    """The example leaf's shape, dtype and device as a tensor reports them, so that a
-    matching leaf costs one comparison; None where only the full check will do (a
-    non-tensor or a dynamic dim)."""
-    shape, dtype, device = (
-        USER_INPUT_SHAPES[index],
-        USER_INPUT_DTYPES[index],
-        USER_INPUT_DEVICES[index],
+# Each leaf's shape, dtype and device as a matching tensor reports them, so that such
+# a leaf costs one comparison; None where only the full check will do.
+_LEAF_SIGNATURES: list[tuple[torch.Size, Any, torch.device] | None] = [
+    (
+        None
+        if shape is None or None in shape or dtype is None or device is None
+        else (
+            torch.Size(cast(tuple[int, ...], shape)),
+            getattr(torch, dtype.removeprefix("torch."), None),
+            torch.device(device),
+        )
     )
-    if shape is None or None in shape or dtype is None or device is None:
-        return None
-    dtype_object = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype_object, torch.dtype):
-        return None
-    return torch.Size(cast(tuple[int, ...], shape)), dtype_object, torch.device(device)
-
-
-_LEAF_SIGNATURES: list[tuple[torch.Size, torch.dtype, torch.device] | None] = [
-    _leaf_signature(index) for index in range(len(USER_INPUT_SHAPES))
+    for shape, dtype, device in zip(
+        USER_INPUT_SHAPES, USER_INPUT_DTYPES, USER_INPUT_DEVICES
+    )
 ]
 
 
-def leaf_names(positions: list[int], arguments: tuple[object, ...]) -> list[str]:
-    """Each leaf of the non-module ``arguments`` (at ``positions`` in the call) named
-    by where it sits, e.g. "argument 1['x'][0]"."""
-    return [
-        f"argument {position}{path}"
-        for position, argument in zip(positions, arguments, strict=True)
-        for path in leaf_paths(argument)
-    ]
-
-
-def leaf_paths(tree: object) -> list[str]:
-    """The path of each of ``tree``'s pytree leaves as ``pytree.keystr`` writes it
-    (``['x'][0]``); by position for a node type registered without
-    ``flatten_with_keys_fn``, where ``tree_flatten_with_path`` would raise."""
-    if pytree.tree_is_leaf(tree):
-        return [""]
-    node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
-    keyed: list[tuple[Any, object]]
-    if node.flatten_with_keys_fn is not None:
-        keyed = node.flatten_with_keys_fn(tree)[0]
-    else:
-        children = node.flatten_fn(tree)[0]
-        keyed = [(pytree.SequenceKey(i), child) for i, child in enumerate(children)]
-    return [
-        pytree.keystr((key,)) + path
-        for key, child in keyed
-        for path in leaf_paths(child)
-    ]
-
-
 def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
-    return leaf_names(_USER_POSITIONS, user_inputs)[leaf_index]
+    # Each leaf is an argument of its own.
+    return f"argument {_USER_POSITIONS[leaf_index]}"
 
 
 def _reject_keywords(keywords: dict[str, object]) -> NoReturn:
@@ -650,14 +617,12 @@ def _describe_mode_difference(
     index: int, module: torch.nn.Module, traced_modes: list[bool]
 ) -> str:
     # Error path only: name the first module whose mode differs.
-    prefix = ""
     named = list(module.named_modules())
     if len(named) != len(traced_modes):
-        owner = f"module {prefix!r}" if prefix else "the model"
         return (
-            f"{owner} has {len(named)} modules (itself and its submodules), but the "
-            f"traced one had {len(traced_modes)}: a module without parameters or "
-            "buffers was added or removed. Pass a model of the traced architecture, "
+            f"the model has {len(named)} modules (itself and its submodules), "
+            f"but the traced one had {len(traced_modes)}: a module without parameters "
+            "or buffers was added or removed. Pass a model of the traced architecture, "
             "or capture again with this model."
         )
     name, submodule, was_training = next(
@@ -665,8 +630,7 @@ def _describe_mode_difference(
         for (name, m), was in zip(named, traced_modes)
         if m.training != was
     )
-    qualified = ".".join(part for part in (prefix, name) if part)
-    subject = f"module {qualified!r}" if qualified else "the model"
+    subject = f"module {name!r}" if name else "the model"
     now, then = ("eval", "training") if was_training else ("training", "eval")
     return (
         f"{subject} ({type(submodule).__name__}) is in {now} mode, but it was in "
@@ -795,88 +759,47 @@ def _layout_message(what: str, tensor: torch.Tensor, strides: tuple[int, ...]) -
 
 
 # --- The fast path for an unchanged model ------------------------------------------
-# The full check of the model walks every module and compares every tensor, which
-# costs more than a small graph's run. So what it established is remembered with
-# cheap signals that it still holds: the same module objects; each module's member
-# dicts unchanged (setting, replacing or deleting a parameter, buffer or submodule
-# changes its dict's version tag); and each tensor's type, dtype, device, shape,
-# strides and requires_grad as they were (``.to()``, ``.data = ...`` and
-# ``requires_grad_()`` change those in place), read by torch's C++ guard primitives;
-# each tensor's data pointer (``.data = ...`` with the same shape moves only that);
-# and each module's ``training`` flag as it was. A call that any signal fails gets the
-# full check again.
-
-# The members the full check enumerates are exactly those in these dicts.
-_MEMBER_DICTS = attrgetter("_parameters", "_buffers", "_modules")
-# ... as long as no module overrides how nn.Module enumerates them.
+# The full check walks every module and compares every tensor, which costs more than
+# a small graph's run. What it established is remembered with signals that it still
+# holds, each read in C: the same module objects; the version tag of each module's
+# attribute, parameter, buffer and submodule dicts (any assignment or deletion there,
+# a `training` flag included, changes one); each tensor's dtype, device, shape,
+# strides and requires_grad (``.to()``, ``.data = ...`` and ``requires_grad_()``
+# change those in place, torch's TensorGuards compares them); and each tensor's data
+# pointer (``.data = ...`` with the same shape moves only that). A call that any
+# signal fails gets the full check again.
+_MEMBER_DICTS = attrgetter("__dict__", "_parameters", "_buffers", "_modules")
+# The full check enumerates exactly those dicts' members, unless a module overrides
+# how nn.Module enumerates them.
 _ENUMERATORS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
-_TRAINING = attrgetter("training")
 _DATA_PTR = torch.Tensor.data_ptr
-
-
-def _guard_primitives() -> tuple[Any, Any] | None:
-    """torch's ``TensorGuards`` and ``dict_version``, or None if this torch lacks
-    them or they miss a change the fast path relies on them to see."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards, dict_version
-
-        probe = torch.zeros(2)
-        members: dict[str, object] = {}
-        before = dict_version(members)
-        members["probe"] = probe
-        guard = cast(Any, TensorGuards)(
-            probe, dynamic_dims_sizes=[[2]], dynamic_dims_strides=[[1]]
-        )
-        works = (
-            dict_version(members) != before
-            and guard.check(probe)
-            and not guard.check(probe.double())
-            and not guard.check(probe.requires_grad_())
-        )
-    except Exception:  # internal APIs: absent or changed in this torch build
-        return None
-    return (TensorGuards, dict_version) if works else None
-
-
-_GUARD_PRIMITIVES: tuple[Any, Any] | None = _guard_primitives()
+try:
+    from torch._C._dynamo.guards import TensorGuards, dict_version
+except ImportError:  # internal to torch: without them, every call gets the full check
+    _GUARDED = False
+else:
+    _GUARDED = True
 
 
 class _Remembered:
     """A model that passed the full check, and how to tell it is unchanged since."""
 
-    def __init__(
-        self,
-        modules: list[torch.nn.Module],
-        descendants: list[torch.nn.Module],
-        state: _CheckedState,
-    ) -> None:
-        assert _GUARD_PRIMITIVES is not None
-        tensor_guards, self.dict_version = _GUARD_PRIMITIVES
+    def __init__(self, modules: list[torch.nn.Module], state: _CheckedState) -> None:
         # The call's modules are held weakly, so that the artifact never keeps a model
-        # alive; what they contain is held while remembered, so that its identity and
-        # version tags cannot be reused by other objects.
+        # alive; their submodules' member dicts are held while remembered, so that
+        # their identities and version tags cannot be reused by other objects.
         self.module_refs = [weakref.ref(module, _forget) for module in modules]
-        self.descendants = descendants
+        everything = [sub for module in modules for sub in module.modules()]
+        self.dicts = [d for m in everything for d in _MEMBER_DICTS(m)]
+        self.versions = list(map(dict_version, self.dicts))
         self.state = state
         tensors = self.tensors = state.tensors
-        # Which storages the tensors use (their aliasing with the inputs depends on
-        # it): ``.data = ...`` or ``set_()`` with the same shape changes only this.
         self.data_ptrs = list(map(_DATA_PTR, tensors))
-        self.versions = self.member_versions(modules)
-        self.modes = self.training_modes(modules)
-        self.tensor_guard = tensor_guards(
+        self.tensor_guard = cast(Any, TensorGuards)(
             *tensors,
             dynamic_dims_sizes=[list(t.shape) for t in tensors],
             dynamic_dims_strides=[list(t.stride()) for t in tensors],
         )
-
-    def member_versions(self, modules: list[torch.nn.Module]) -> list[int]:
-        everything = chain(modules, self.descendants)
-        dicts = chain.from_iterable(map(_MEMBER_DICTS, everything))
-        return list(map(self.dict_version, dicts))
-
-    def training_modes(self, modules: list[torch.nn.Module]) -> list[bool]:
-        return list(map(_TRAINING, chain(modules, self.descendants)))
 
     def holds_for(self, modules: list[torch.nn.Module]) -> bool:
         if len(modules) != len(self.module_refs):
@@ -885,8 +808,7 @@ class _Remembered:
             if ref() is not module:
                 return False
         return (
-            self.member_versions(modules) == self.versions
-            and self.training_modes(modules) == self.modes
+            list(map(dict_version, self.dicts)) == self.versions
             and bool(self.tensor_guard.check(*self.tensors))
             and list(map(_DATA_PTR, self.tensors)) == self.data_ptrs
         )
@@ -913,10 +835,9 @@ def _remember(
     global _remembered
     _remembered = None
     state = _CheckedState(tensors)
-    if _GUARD_PRIMITIVES is None:
+    if not _GUARDED:
         return state
-    descendants = [sub for m in modules for sub in m.modules() if sub is not m]
-    everything = [*modules, *descendants]
+    everything = [sub for module in modules for sub in module.modules()]
     if any(
         type(members) is not dict
         for members in chain.from_iterable(map(_MEMBER_DICTS, everything))
@@ -927,7 +848,7 @@ def _remember(
     ):
         return state
     try:
-        _remembered = _Remembered(modules, descendants, state)
+        _remembered = _Remembered(modules, state)
     except Exception:  # a tensor TensorGuards cannot describe: no fast path for it
         _remembered = None
     return state
