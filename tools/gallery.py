@@ -36,6 +36,8 @@ END = "<!-- end of gallery -->"
 
 EAGER = "tests/golden/eager_train_step.py"
 INDUCTOR = "tests/golden/inductor_inference.py"
+# An inference capture's driver, shown whole: the code this one capture needs.
+SPECIALISED = "tests/golden/eager_inference.py"
 INSPECTED = ("tests/golden/eager_multi_module.py", INDUCTOR)
 
 # (first line, last line, most lines shown) of one piece of an excerpt.
@@ -66,6 +68,20 @@ def render_gallery(root: Path = ROOT) -> str:
         "",
         "```python",
         _excerpt(inductor, _inductor_spans(inductor)),
+        "```",
+    ]
+    specialised = (root / SPECIALISED).read_text(encoding="utf-8")
+    driver = sections_by_key(specialised)["driver"]
+    lines = specialised.splitlines()[driver.first_line - 1 : driver.last_line]
+    parts += [
+        "",
+        "**A whole driver**: inference on one module and one tensor",
+        f"(`{SPECIALISED}`, section 3, {len(lines)} lines). It is generated for this",
+        "capture: no gradient, grad-reset, dynamic-dim, scalar-value or layout code,",
+        "and the convention's leaf naming reduced to the argument positions.",
+        "",
+        "```python",
+        "\n".join(lines).rstrip("\n"),
         "```",
     ]
     for path in INSPECTED:

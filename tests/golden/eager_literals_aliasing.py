@@ -508,25 +508,7 @@ def _check_aliasing(
         leaf.untyped_storage().data_ptr() if isinstance(leaf, torch.Tensor) else 0
         for leaf in leaves
     ]
-    used = [pointer for pointer in pointers if pointer]
-    if not _ALIAS_OWNER and not state.sharing:
-        # The usual case, nothing shared at capture: distinct storages, none the
-        # model's, is all there is to check.
-        distinct = set(used)
-        if len(distinct) == len(used) and distinct.isdisjoint(state.storage_owner):
-            return
-    sharing = dict(state.sharing)
-    leaf_owners: dict[int, int] = {}
-    for index, pointer in enumerate(pointers):
-        if not pointer:
-            continue
-        position = _NUM_STATE + index
-        owner = state.storage_owner.get(pointer)
-        if owner is None:
-            owner = leaf_owners.setdefault(pointer, position)
-        if owner != position:
-            sharing[position] = owner
-            sharing[owner] = owner
+    sharing = _sharing(state, pointers)
     if sharing != _ALIAS_OWNER:
         _fail(_describe_aliasing_difference(args, sharing))
     inputs = [*state.tensors, *leaves]
@@ -544,6 +526,24 @@ def _check_aliasing(
                 )
 
 
+def _sharing(state: _CheckedState, pointers: list[int]) -> dict[int, int]:
+    """Position -> first position sharing its storage, among the model's tensors and
+    the leaves with these storage pointers, for the positions that share one."""
+    sharing = dict(state.sharing)
+    leaf_owners: dict[int, int] = {}
+    for index, pointer in enumerate(pointers):
+        if not pointer:
+            continue
+        position = _NUM_STATE + index
+        owner = state.storage_owner.get(pointer)
+        if owner is None:
+            owner = leaf_owners.setdefault(pointer, position)
+        if owner != position:
+            sharing[position] = owner
+            sharing[owner] = owner
+    return sharing
+
+
 def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
     # A dim of size 0 or 1 is never stepped over, so its stride does not matter.
     return all(
@@ -556,8 +556,7 @@ def _describe_aliasing_difference(
     args: tuple[object, ...], sharing: dict[int, int]
 ) -> str:
     # Error path only: name the first group that differs, in the words of the call.
-    now = _groups(sharing)
-    then = _groups(_ALIAS_OWNER)
+    now, then = _groups(sharing), _groups(_ALIAS_OWNER)
     for members in now:
         if members not in then:
             return _newly_shared(args, members)

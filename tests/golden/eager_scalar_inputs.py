@@ -536,13 +536,22 @@ def _check_aliasing(
         leaf.untyped_storage().data_ptr() if isinstance(leaf, torch.Tensor) else 0
         for leaf in leaves
     ]
+    # Nothing shared a storage at capture: distinct storages, none the model's, is
+    # all there is to check.
     used = [pointer for pointer in pointers if pointer]
-    if not state.sharing:
-        # The usual case, nothing shared at capture: distinct storages, none the
-        # model's, is all there is to check.
-        distinct = set(used)
-        if len(distinct) == len(used) and distinct.isdisjoint(state.storage_owner):
-            return
+    if (
+        not state.sharing
+        and len(set(used)) == len(used)
+        and state.storage_owner.keys().isdisjoint(used)
+    ):
+        return
+    members = _groups(_sharing(state, pointers))[0]
+    _fail(_newly_shared(args, members))
+
+
+def _sharing(state: _CheckedState, pointers: list[int]) -> dict[int, int]:
+    """Position -> first position sharing its storage, among the model's tensors and
+    the leaves with these storage pointers, for the positions that share one."""
     sharing = dict(state.sharing)
     leaf_owners: dict[int, int] = {}
     for index, pointer in enumerate(pointers):
@@ -555,16 +564,7 @@ def _check_aliasing(
         if owner != position:
             sharing[position] = owner
             sharing[owner] = owner
-    # Nothing shared a storage at capture, so any sharing is a difference.
-    _fail(_describe_aliasing_difference(args, sharing))
-
-
-def _describe_aliasing_difference(
-    args: tuple[object, ...], sharing: dict[int, int]
-) -> str:
-    # Error path only: name the first group that differs, in the words of the call.
-    now = _groups(sharing)
-    return _newly_shared(args, now[0])
+    return sharing
 
 
 def _newly_shared(args: tuple[object, ...], members: list[int]) -> str:
