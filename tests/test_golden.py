@@ -235,3 +235,43 @@ def test_renderer_never_reads_python_source(monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setattr(inspect, name, forbidden)
     for cap in captures:
         assert pg.parse_metadata(pg.render_artifact(cap))["BACKEND"] == cap.backend
+
+
+def _driver(name: str) -> str:
+    text = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
+    return text[text.index("# 3. Driver") :]
+
+
+# Code each driver feature brings, by a definition or statement only it emits.
+FEATURE_CODE = {
+    "gradients": "def _add_gradients(",
+    "grad resets": "reset_grad(state.tensors[index], set_to_none)",
+    "dynamic dims": "def _show_bounds(",
+    "shared sizes": "def _check_shared_sizes(",
+    "scalar values": "USER_INPUT_VALUES[index]",
+    "aliasing": "def _describe_aliasing_difference(",
+    "layouts": "def _layout_message(",
+    "several modules": "f\"module 'm{index}'",
+    "nested inputs": "def leaf_paths(",
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "features"),
+    [
+        ("eager_inference", set()),
+        ("eager_train_step", {"gradients"}),
+        ("eager_grad_resets", {"gradients", "grad resets"}),
+        ("eager_scalar_inputs", {"scalar values", "nested inputs"}),
+        ("eager_multi_module", {"several modules", "nested inputs"}),
+        ("eager_literals_aliasing", {"aliasing"}),
+        ("inductor_inference", {"layouts"}),
+        ("inductor_dynamic_dims", {"layouts", "dynamic dims", "shared sizes"}),
+    ],
+)
+def test_each_driver_carries_exactly_its_features_code(
+    name: str, features: set[str]
+) -> None:
+    driver = _driver(name)
+    present = {feature for feature, code in FEATURE_CODE.items() if code in driver}
+    assert present == features
