@@ -18,8 +18,8 @@
 #   each module in the same train/eval mode. Only values may differ.
 # - Control flow and shapes are specialised to the example inputs; each input must have
 #   the example's structure, shape, dtype and device.
-# - If the traced function ran a backward, each call adds the parameter gradients to
-#   the model's `.grad` fields, exactly like eager `.backward()`.
+# - The traced function ran a backward: each call adds the parameter gradients to the
+#   model's `.grad` fields, exactly like eager `.backward()`.
 #   First it resets the gradients the function's zero_grad() reset (GRAD_RESETS).
 # - Every call is validated before anything runs; a violation raises PrecompileError
 #   and leaves the model and its gradients untouched.

@@ -20,8 +20,6 @@
 #   the example's structure, shape, dtype and device.
 #   A bool, int, float or str input is built into the graph: pass the example's value
 #   (USER_INPUT_VALUES).
-# - If the traced function ran a backward, each call adds the parameter gradients to
-#   the model's `.grad` fields, exactly like eager `.backward()`.
 # - Every call is validated before anything runs; a violation raises PrecompileError
 #   and leaves the model and its gradients untouched.
 #

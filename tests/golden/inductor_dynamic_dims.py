@@ -19,10 +19,8 @@
 # - Control flow and shapes are specialised to the example inputs; each input must have
 #   the example's structure, shape, dtype and device (and memory layout).
 #   Dims marked with mark_unbacked (None in USER_INPUT_SHAPES) are the exception: they
-#   take any size within their bounds (USER_INPUT_BOUNDS). Dims that share a shape_id
-#   must be equal, which only the compiled graph checks, as it runs.
-# - If the traced function ran a backward, each call adds the parameter gradients to
-#   the model's `.grad` fields, exactly like eager `.backward()`.
+#   take any size within their bounds (USER_INPUT_BOUNDS); dims that share a shape_id
+#   must be equal.
 # - Every call is validated before anything runs; a violation raises PrecompileError
 #   and leaves the model and its gradients untouched.
 #
