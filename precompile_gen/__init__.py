@@ -6,13 +6,38 @@ executable Python artifact plus a small cache.
     out = forward(model, *inputs)
 """
 
-# Each stage module is imported before its public function of the same name is
-# bound here, so ``precompile_gen.capture`` / ``.load`` name the functions.
-from precompile_gen.api import capture, precompile
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from precompile_gen.capture_result import CaptureResult
 from precompile_gen.errors import PrecompileError
+
+# The load module is imported before its function of the same name is bound here,
+# so ``precompile_gen.load`` names the function.
 from precompile_gen.load import load, parse_metadata
-from precompile_gen.render import render_artifact
+
+if TYPE_CHECKING:
+    from precompile_gen.api import capture, precompile
+    from precompile_gen.render import render_artifact
+
+# Capturing and rendering need the tracer, sympy and Jinja; a process that only loads
+# artifacts never imports them, so they are imported on first use.
+_LAZY = {
+    "capture": "precompile_gen.api",
+    "precompile": "precompile_gen.api",
+    "render_artifact": "precompile_gen.render",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'precompile_gen' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CaptureResult",

@@ -13,7 +13,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from precompile_gen import kernel_binaries, timings
-from precompile_gen.capture import TracedGraph
 from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
@@ -22,6 +21,7 @@ from precompile_gen.capture_result import (
     TensorLiteral,
 )
 from precompile_gen.errors import PrecompileError
+from precompile_gen.trace import TracedGraph
 
 # Inductor lowering swaps process-global compiler state; one lowering at a time, and
 # not while a load executes an inductor artifact under a patched config.

@@ -1,10 +1,10 @@
-"""Capture: trace ``fn(*example_inputs)`` into one ATen graph with make_fx.
+"""Trace: ``fn(*example_inputs)`` into one ATen graph with make_fx.
 
 Every ``nn.Module`` argument has its parameters and buffers lifted to graph inputs by
 functional reparametrisation, so the graph takes ``[*params, *buffers, *user_leaves]``
 and nothing live is baked in. If ``fn`` runs a backward, the parameters' gradients are
 harvested as extra trailing outputs. The trace runs on copies of the example tensors
-(fake ones when an input has a mark_unbacked dim): capture never changes the example
+(fake ones when an input has a mark_unbacked dim): tracing never changes the example
 model, its buffers, its ``.grad`` fields or the example inputs; modules that ``fn``
 switches between train and eval mode are put back as they were.
 """
