@@ -16,7 +16,11 @@ TORCHINDUCTOR_CACHE_DIR:
   virtualenv), as when a pair built in CI's virtualenv serves from production's.
 
 All rows are measured in this one run, after one untimed precompile that warms the
-operating system's file cache; the ratios compare rows of that run.
+operating system's file cache; the ratios compare rows of that run. For the cache
+row, a second table breaks the fresh process down by wall clock, from the moment it
+is started: the interpreter with ``import torch``, importing precompile_gen (which
+the demo model comes from, for both systems), ``load``, and the first call; and
+compares the whole with a bare ``python -c "import torch"`` timed in the same run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,10 +39,13 @@ import torch
 SYSTEMS = ("precompile_gen", "torch.compiler.precompile")
 
 _CHILD = r"""
-import json, sys, time
+import time
 import torch
+imported_torch = time.time()
+import json, sys
 import precompile_gen
 from precompile_gen import demo
+imported_precompile_gen = time.time()
 
 system, step, code_path, cache_path = sys.argv[1:5]
 if system == "precompile_gen":
@@ -45,7 +53,7 @@ if system == "precompile_gen":
 else:
     precompile, load = torch.compiler.precompile, torch.compiler.precompile.load
 model, images, labels = demo.example()
-start = time.perf_counter()
+start, started_load = time.perf_counter(), time.time()
 if step == "precompile":
     code, cache = precompile(demo.train_step, model, images, labels)
     open(code_path, "w", encoding="utf-8").write(code)
@@ -53,8 +61,17 @@ if step == "precompile":
 else:
     code = open(code_path, encoding="utf-8").read()
     forward = load(code, open(cache_path, "rb").read())
+    loaded = time.time()
     forward(model, images, labels)
-print(json.dumps({"seconds": time.perf_counter() - start}))
+    called = time.time()
+print(json.dumps({
+    "seconds": time.perf_counter() - start,
+    "imported_torch": imported_torch,
+    "imported_precompile_gen": imported_precompile_gen,
+    "started_load": started_load,
+    "loaded": loaded if step != "precompile" else None,
+    "called": called if step != "precompile" else None,
+}))
 """
 
 
@@ -66,6 +83,19 @@ def _child(
     cache_dir: Path,
     python: str = sys.executable,
 ) -> float:
+    return _run_child(system, step, code, cache, cache_dir, python)["seconds"]
+
+
+def _run_child(
+    system: str,
+    step: str,
+    code: Path,
+    cache: Path,
+    cache_dir: Path,
+    python: str = sys.executable,
+) -> dict[str, float]:
+    """Run one row in a fresh process; its report, with ``spawned`` (wall clock)."""
+    spawned = time.time()
     done = subprocess.run(
         [python, "-c", _CHILD, system, step, str(code), str(cache)],
         capture_output=True,
@@ -75,7 +105,13 @@ def _child(
     )
     if done.returncode != 0:
         raise RuntimeError(f"{system} {step} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "spawned": spawned}
+
+
+def _bare_import_torch() -> float:
+    spawned = time.time()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.time() - spawned
 
 
 def _strip_artifact(cache: bytes) -> bytes:
@@ -109,7 +145,15 @@ def _measure(system: str, work: Path) -> dict[str, float]:
     code, cache, stripped = folder / "code.py", folder / "cache", folder / "stripped"
     seconds = {"precompile": _child(system, "precompile", code, cache, folder / "c0")}
     stripped.write_bytes(_strip_artifact(cache.read_bytes()))
-    seconds["cache"] = _child(system, "load", code, cache, folder / "c1")
+    report = _run_child(system, "load", code, cache, folder / "c1")
+    seconds["cache"] = report["seconds"]
+    seconds["interpreter + import torch"] = report["imported_torch"] - report["spawned"]
+    seconds["import precompile_gen"] = (
+        report["imported_precompile_gen"] - report["imported_torch"]
+    )
+    seconds["load"] = report["loaded"] - report["started_load"]
+    seconds["first call"] = report["called"] - report["loaded"]
+    seconds["start to first result"] = report["called"] - report["spawned"]
     seconds["no cache"] = _child(system, "load", code, stripped, folder / "c2")
     _child(system, "load", code, cache, folder / "c3")  # fills c3
     seconds["warm"] = _child(system, "load", code, cache, folder / "c3")
@@ -128,6 +172,7 @@ def main() -> None:
         warmup.mkdir()
         _child(SYSTEMS[0], "precompile", warmup / "code.py", warmup / "cache", warmup)
         rows = {system: _measure(system, Path(scratch)) for system in SYSTEMS}
+        bare = min(_bare_import_torch() for _ in range(3))
     ours, theirs = rows["precompile_gen"], rows["torch.compiler.precompile"]
     print(f"{'seconds':<24}{'precompile_gen':>16}{'torch precompile':>18}")
     for row in ("precompile", "cache", "no cache", "warm", "other path"):
@@ -146,6 +191,21 @@ def main() -> None:
             f"(target <= 1.2x); no cache / other path = "
             f"{r['no cache'] / r['other path']:.1f}x (target >= 4x)"
         )
+    print()
+    header = "fresh process, with cache"
+    print(f"{header:<28}{'precompile_gen':>16}{'torch precompile':>18}")
+    for row in (
+        "interpreter + import torch",
+        "import precompile_gen",
+        "load",
+        "first call",
+        "start to first result",
+    ):
+        print(f"{row:<28}{ours[row]:>16.2f}{theirs[row]:>18.2f}")
+    print(f"{'bare import torch':<28}{bare:>16.2f}")
+    for label, r in (("precompile_gen", ours), ("torch precompile", theirs)):
+        ratio = r["start to first result"] / bare
+        print(f"{label}: start to first result / bare import torch = {ratio:.1f}x")
 
 
 if __name__ == "__main__":
