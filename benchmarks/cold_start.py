@@ -82,17 +82,6 @@ def _child(
     cache: Path,
     cache_dir: Path,
     python: str = sys.executable,
-) -> float:
-    return _run_child(system, step, code, cache, cache_dir, python)["seconds"]
-
-
-def _run_child(
-    system: str,
-    step: str,
-    code: Path,
-    cache: Path,
-    cache_dir: Path,
-    python: str = sys.executable,
 ) -> dict[str, float]:
     """Run one row in a fresh process; its report, with ``spawned`` (wall clock)."""
     spawned = time.time()
@@ -143,9 +132,16 @@ def _measure(system: str, work: Path) -> dict[str, float]:
     folder = work / system
     folder.mkdir()
     code, cache, stripped = folder / "code.py", folder / "cache", folder / "stripped"
-    seconds = {"precompile": _child(system, "precompile", code, cache, folder / "c0")}
+
+    def load(payload: Path, cache_dir: str, python: str = sys.executable) -> float:
+        return _child(system, "load", code, payload, folder / cache_dir, python)[
+            "seconds"
+        ]
+
+    precompiled = _child(system, "precompile", code, cache, folder / "c0")
+    seconds = {"precompile": precompiled["seconds"]}
     stripped.write_bytes(_strip_artifact(cache.read_bytes()))
-    report = _run_child(system, "load", code, cache, folder / "c1")
+    report = _child(system, "load", code, cache, folder / "c1")
     seconds["cache"] = report["seconds"]
     seconds["interpreter + import torch"] = report["imported_torch"] - report["spawned"]
     seconds["import precompile_gen"] = (
@@ -154,11 +150,10 @@ def _measure(system: str, work: Path) -> dict[str, float]:
     seconds["load"] = report["loaded"] - report["started_load"]
     seconds["first call"] = report["called"] - report["loaded"]
     seconds["start to first result"] = report["called"] - report["spawned"]
-    seconds["no cache"] = _child(system, "load", code, stripped, folder / "c2")
-    _child(system, "load", code, cache, folder / "c3")  # fills c3
-    seconds["warm"] = _child(system, "load", code, cache, folder / "c3")
-    python = _other_environment(work)
-    seconds["other path"] = _child(system, "load", code, cache, folder / "c4", python)
+    seconds["no cache"] = load(stripped, "c2")
+    load(cache, "c3")  # fills c3
+    seconds["warm"] = load(cache, "c3")
+    seconds["other path"] = load(cache, "c4", _other_environment(work))
     seconds["cache bytes"] = cache.stat().st_size
     return seconds
 
