@@ -201,7 +201,8 @@ def prime(
     cannot be used here. A signed pair whose cache brings a binary the artifact does
     not pin was tampered with: that is a PrecompileError.
     """
-    reason = _unusable(payload)
+    here = build_fingerprint()
+    reason = _unusable(payload, here)
     if reason is None:
         assert isinstance(payload, dict)
         reason = unpinned(payload, pinned)
@@ -222,7 +223,7 @@ def prime(
 
     assert isinstance(payload, dict)
     files: dict[str, bytes] = payload["files"]
-    moved = moved_install_paths(payload)
+    moved = _moved_install_paths(payload, here)
     # Named in the error if even creating the folder fails.
     root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "(its default location)"
     try:
@@ -251,12 +252,14 @@ def _unwritable(root: str, error: OSError) -> PrecompileError:
     )
 
 
-def moved_install_paths(payload: dict[str, object]) -> dict[str, str]:
-    """This environment's install paths that differ from the build's, each mapped to
-    the build's path ({} when the pair is loaded where it was built)."""
+def _moved_install_paths(
+    payload: dict[str, object], here: dict[str, str]
+) -> dict[str, str]:
+    """This environment's install paths (from ``here``, a ``build_fingerprint()``)
+    that differ from the build's, each mapped to the build's path ({} when the pair
+    is loaded where it was built)."""
     built = payload["build"]
     assert isinstance(built, dict)
-    here = build_fingerprint()
     return {
         here[key]: built[key]
         for key in INSTALL_PATHS
@@ -337,9 +340,10 @@ def loading_config() -> Generator[None]:
         yield
 
 
-def _unusable(payload: object) -> str | None:
-    """Why the payload's binaries must not be used here, or None. (The envelope's
-    code_hash, checked before, binds the payload to its artifact.)"""
+def _unusable(payload: object, here: dict[str, str]) -> str | None:
+    """Why the payload's binaries must not be used in the environment ``here`` (a
+    ``build_fingerprint()``), or None. (The envelope's code_hash, checked before,
+    binds the payload to its artifact.)"""
     damage = damaged(payload)
     if damage is not None:
         return damage
@@ -347,7 +351,6 @@ def _unusable(payload: object) -> str | None:
     built = payload.get("build")
     if not isinstance(built, dict):
         return "it records no build fingerprint"
-    here = build_fingerprint()
     differing = [
         key for key in differing_build(payload, here) if key not in INSTALL_PATHS
     ]

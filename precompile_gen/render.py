@@ -14,6 +14,7 @@ out; tests compare the two on thousands of values.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 from collections.abc import Callable
@@ -267,8 +268,6 @@ def _flat_tuple_of_leaves(in_spec: str | None, count: int) -> bool:
     """Whether ``in_spec`` is a tuple of ``count`` leaves (the arguments themselves)."""
     if in_spec is None:
         return False
-    import json
-
     try:
         _, spec = json.loads(in_spec)
     except ValueError:
