@@ -72,6 +72,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_VALUES",
     "ALIASED_INPUTS",
     "KERNEL_BINARIES",
+    "KERNEL_SOURCES",
 )
 
 
@@ -146,6 +147,9 @@ class CompiledGraph:
     imports: list[str]
     in_spec: str | None
     out_spec: str | None
+    # Inductor only: the lines of Inductor's module that ``inductor_imports`` rewrote
+    # in ``source``, each with its replacement ("" for a dropped line).
+    rewritten_imports: list[tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,9 @@ class CaptureResult:
     # key (relative to inductor's cache folder) and sha256. A cache is only code
     # nobody reads; the artifact, which people review, decides what of it may run.
     kernel_binaries: dict[str, str]
+    # Which binary is whose: the sha256 of each C++ kernel's source (as the module
+    # passes it to ``cpp_pybinding``) -> the file key of its binary.
+    kernel_sources: dict[str, str]
     # What the cache carries to skip compilation on reload (None for eager): plain
     # data that torch.load(weights_only=True) reads back.
     cache_artifact: dict[str, object] | None
@@ -221,4 +228,5 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
         "ALIASED_INPUTS": cap.aliased_inputs,
         "KERNEL_BINARIES": cap.kernel_binaries,
+        "KERNEL_SOURCES": cap.kernel_sources,
     }

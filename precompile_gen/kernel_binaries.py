@@ -1,41 +1,31 @@
-"""The compiled kernels the inductor cache carries, and how a loader primes them.
+"""The compiled kernels the inductor cache carries, and how a loader puts them in place.
 
-Inductor's module compiles each C++ kernel on import unless its binary already sits in
-``TORCHINDUCTOR_CACHE_DIR`` under inductor's own key: a hash of the kernel source and
-its build flags (compiler, ISA, include paths). So the cache carries the binaries
-under their keys, relative to the cache folder, and ``load`` writes them there before
-executing the artifact.
+Inductor's module compiles each C++ kernel on import unless it finds the binary in its
+cache folder, under a key it computes with its compiler toolchain (importing which
+takes seconds). The cache therefore carries each kernel binary, and the artifact pins
+which binary belongs to which kernel: KERNEL_SOURCES maps the sha256 of a kernel's
+source to the binary's file key, KERNEL_BINARIES maps that key to the binary's sha256.
+``load`` writes the pinned binaries into inductor's cache folder and executes the
+artifact with their paths; the artifact imports each kernel from its binary, and
+hands any kernel without one to Inductor, which compiles it (see
+``inductor_imports``). Nothing of Inductor is imported when every binary is there.
 
-Two details make a fresh cache folder really skip the compiler:
-
-- With header precompilation on (inductor's default), loading a kernel first
-  precompiles a ~150 MB header, even when the kernel's binary exists. The loader
-  therefore executes the artifact with it off, and the binaries are recorded under the
-  keys inductor computes in that configuration (``LOAD_CONFIG``).
-- Picking the vector ISA compiles and runs small probe programs, and records each
-  success as ``<key>.so`` plus an empty ``<key>.so.load_ok`` marker. The cache
-  carries those probe binaries too, and priming adds their markers.
-
-A binary is used only when the build fingerprint (torch, Python, compiler, CPU
-capability) matches this machine and its sha256 matches the manifest; otherwise the
-artifact compiles its kernels as it would without a cache. The install paths of torch
-and Python are part of inductor's keys but not of the binaries: when only they differ
-(a pair built in one virtualenv, loaded in another), each kernel binary is placed
-under the key inductor computes here (``_placing_moved_binaries``).
+A binary is used only where it can run: the same torch and Python, on the same
+machine architecture and CPU capability. The compiler and the install paths do not
+matter to a binary that is imported directly, so a pair built in one virtualenv, or
+on a machine with another compiler, loads its kernels in another.
 """
 
 from __future__ import annotations
 
-import contextlib
+import getpass
 import hashlib
 import logging
 import os
 import platform
 import re
-import shutil
-import sysconfig
+import tempfile
 import threading
-from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +35,9 @@ log = logging.getLogger(__name__)
 
 PAYLOAD_KIND = "inductor-cpp-kernels"
 
-# Inductor configuration under which the binaries are keyed and loaded.
-LOAD_CONFIG: dict[str, object] = {"cpp_cache_precompile_headers": False}
-
 # Inductor keys are "c" + 51 base32 characters, stored in a folder named after
-# characters 1-2: kernel binaries (``.main.so``) and ISA probe binaries (``.so``).
-# Nothing else may be written from a cache.
-_BINARY_PATH = re.compile(r"[a-z0-9]{2}/c[a-z0-9]{51}\.(main\.)?so")
-_PROBE_MARKER = ".load_ok"
-# An install path as the build fingerprint may record it: absolute, no whitespace.
-_PLAIN_PATH = re.compile(r"/[^\s]*")
+# characters 1-2. Nothing else may be written from a cache.
+_BINARY_PATH = re.compile(r"[a-z0-9]{2}/c[a-z0-9]{51}\.main\.so")
 
 # torch's tracer (make_fx, fx's patcher) and inductor's compiler (config.patch,
 # kernel compilation) keep process-wide state: capture, lowering, the kernel scan and
@@ -62,74 +45,67 @@ _PLAIN_PATH = re.compile(r"/[^\s]*")
 TORCH_STATE_LOCK = threading.RLock()
 
 
-# The fingerprint entries that say where torch and Python are installed. They are in
-# the build command line, so in inductor's keys, but a binary built under other paths
-# is the same binary: they may differ between the build and the load.
-INSTALL_PATHS = ("torch_dir", "python_include", "python_libdir")
-
-
 def build_fingerprint() -> dict[str, str]:
-    """What a kernel binary depends on besides its source, and its install paths."""
+    """What a kernel binary needs of the process that imports it."""
     import torch
-    from torch._inductor import cpp_builder
 
-    compiler = cpp_builder.get_cpp_compiler()
     fingerprint = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "compiler": cpp_builder.get_compiler_version_info(compiler),
-        # Include and library paths are part of inductor's build flags, so of its keys.
-        "torch_dir": os.path.dirname(torch.__file__),
-        "python_include": sysconfig.get_paths()["include"],
-        "python_libdir": sysconfig.get_config_var("LIBDIR") or "",
     }
     # Plain str (torch.__version__ is a subclass), so the cache stays readable with
     # torch.load(weights_only=True).
     return {key: str(value) for key, value in fingerprint.items()}
 
 
-def collect(graph_source: str) -> dict[str, object]:
-    """The payload carrying every C++ kernel binary ``graph_source`` loads.
+def collect(graph_source: str) -> tuple[dict[str, object], dict[str, str]]:
+    """The payload carrying every C++ kernel binary ``graph_source`` loads, and the
+    artifact's KERNEL_SOURCES: each kernel source's sha256 -> its binary's file key.
 
     Runs right after lowering, when the kernels are compiled: the module is executed
-    twice in a scratch namespace (which only loads binaries), once as lowering keyed
-    them and once under ``LOAD_CONFIG``, where each binary is copied to its load-time
-    key. No kernel is compiled twice.
+    once more in a scratch namespace, which only loads binaries, and each kernel's
+    source is paired with the binary inductor looks up for it.
     """
-    from torch._inductor import codecache, config
+    from torch._inductor import codecache
+    from torch._inductor.async_compile import AsyncCompile
 
-    lowered: dict[str, str] = {}
-    with _recording_kernel_sources() as sources:
-        _execute_module(graph_source)
-    for source, path in sources:
-        lowered[source] = path
-
-    def link_lowered_binary(source: str, _flags: str, path: str) -> None:
-        binary = _binary_path(path)
-        if source in lowered and not os.path.exists(binary):
-            shutil.copyfile(_binary_path(lowered[source]), binary)
-
-    with (
-        config.patch(LOAD_CONFIG),
-        _recording_kernel_sources(link_lowered_binary) as load_sources,
-    ):
-        _execute_module(graph_source)
     root = Path(codecache.cache_dir())
-    kernels = [Path(_binary_path(path)) for _, path in load_sources]
-    # Probe results of any ISA check this machine has run: a few small files, and
-    # the loader's inductor looks up the ones for its own flags.
-    probes = [
-        marker.with_suffix("")
-        for marker in root.glob(f"??/*.so{_PROBE_MARKER}")
-        if marker.with_suffix("").is_file()
-    ]
-    files = {
-        path.relative_to(root).as_posix(): path.read_bytes()
-        for path in [*kernels, *probes]
-    }
-    return {
+    sources: dict[str, str] = {}
+    files: dict[str, bytes] = {}
+    kernel_source: list[str] = []
+    original_pybinding, original_write = AsyncCompile.cpp_pybinding, codecache.write
+
+    def recording_pybinding(self: Any, argtypes: list[str], source: str) -> Any:
+        kernel_source[:] = [source]
+        return original_pybinding(self, argtypes, source)
+
+    def recording_write(
+        content: Any, extension: str, extra: str = "", *args: Any, **kwargs: Any
+    ) -> Any:
+        key, path = original_write(content, extension, extra, *args, **kwargs)
+        if extension == "main.cpp" and kernel_source:
+            source = kernel_source.pop()
+            binary = Path(_binary_path(path))
+            name = binary.relative_to(root).as_posix()
+            sources[hashlib.sha256(source.encode()).hexdigest()] = name
+            files[name] = binary.read_bytes() if binary.is_file() else b""
+        return key, path
+
+    AsyncCompile.cpp_pybinding = recording_pybinding  # type: ignore[method-assign]
+    codecache.write = recording_write
+    try:
+        namespace: dict[str, object] = {"__name__": "precompile_gen_kernel_scan"}
+        exec(compile(graph_source, "<precompile_gen:kernel-scan>", "exec"), namespace)
+    finally:
+        AsyncCompile.cpp_pybinding = original_pybinding  # type: ignore[method-assign]
+        codecache.write = original_write
+    # A kernel whose binary was not written (the scan found it some other way) is
+    # left to compile at load.
+    files = {name: data for name, data in files.items() if data}
+    sources = {digest: name for digest, name in sources.items() if name in files}
+    payload: dict[str, object] = {
         "kind": PAYLOAD_KIND,
         "build": build_fingerprint(),
         "files": files,
@@ -137,6 +113,7 @@ def collect(graph_source: str) -> dict[str, object]:
             name: hashlib.sha256(data).hexdigest() for name, data in files.items()
         },
     }
+    return payload, sources
 
 
 def digests(payload: dict[str, object] | None) -> dict[str, str]:
@@ -190,19 +167,33 @@ def check_cache_folder() -> None:
         ) from error
 
 
-def prime(
-    payload: object, pinned: object, *, signed: bool = False
-) -> contextlib.AbstractContextManager[None] | None:
-    """Write the payload's binaries into the inductor cache folder, if the artifact
-    pins each of them (``pinned``: its KERNEL_BINARIES).
+def kernel_folder() -> str:
+    """Inductor's cache folder, found as inductor finds it (without importing it):
+    TORCHINDUCTOR_CACHE_DIR, else ``torchinductor_<user>`` in the temp folder."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        user = re.sub(r'[\\/:*?"<>|]', "_", user)
+        folder = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    return os.path.abspath(folder)
 
-    Returns the context to execute the artifact in, under which inductor loads the
-    binaries instead of compiling; None (after a logged warning) when the payload
-    cannot be used here. A signed pair whose cache brings a binary the artifact does
-    not pin was tampered with: that is a PrecompileError.
+
+def prime(
+    payload: object, pinned: object, kernel_sources: object, *, signed: bool = False
+) -> dict[str, str] | None:
+    """Write the payload's binaries into inductor's cache folder, if the artifact pins
+    each of them (``pinned``: its KERNEL_BINARIES).
+
+    Returns what the artifact is executed with, ``{sha256 of a kernel's source: the
+    path of its binary}`` for the kernels ``kernel_sources`` (its KERNEL_SOURCES)
+    names; None (after a logged warning) when the payload cannot be used here. A
+    signed pair whose cache brings a binary the artifact does not pin was tampered
+    with: that is a PrecompileError.
     """
-    here = build_fingerprint()
-    reason = _unusable(payload, here)
+    reason = _unusable(payload, build_fingerprint())
     if reason is None:
         assert isinstance(payload, dict)
         reason = unpinned(payload, pinned)
@@ -219,125 +210,42 @@ def prime(
             reason,
         )
         return None
-    from torch._inductor import codecache
-
-    assert isinstance(payload, dict)
+    assert isinstance(payload, dict) and isinstance(kernel_sources, dict)
     files: dict[str, bytes] = payload["files"]
-    moved = _moved_install_paths(payload, here)
-    # Named in the error if even creating the folder fails.
-    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "(its default location)"
+    root = kernel_folder()
     try:
-        root = codecache.cache_dir()  # creates the folder
         for name, data in files.items():
-            probe = not name.endswith(".main.so")
-            # A kernel binary's key names the install paths: when they moved, it is
-            # placed under this environment's key as inductor asks for it. A probe's
-            # key does not (compiler, ISA flags and torch version only).
-            if probe or not moved:
-                _write_binary(Path(root, name), data, probe=probe)
+            _write_binary(Path(root, name), data)
     except OSError as error:
-        raise _unwritable(root, error) from error
-    if moved:
-        return _placing_moved_binaries(files, moved, root)
-    return loading_config()
-
-
-def _unwritable(root: str, error: OSError) -> PrecompileError:
-    # Compiling from python_code instead would need to write there too.
-    return PrecompileError(
-        f"cannot write the cache's kernel binaries into inductor's cache folder "
-        f"{root} ({error.strerror or error}: {error.filename}); an inductor artifact "
-        "loads its kernels from files there. Set TORCHINDUCTOR_CACHE_DIR to a folder "
-        "this process can write to, and load again."
-    )
-
-
-def _moved_install_paths(
-    payload: dict[str, object], here: dict[str, str]
-) -> dict[str, str]:
-    """This environment's install paths (from ``here``, a ``build_fingerprint()``)
-    that differ from the build's, each mapped to the build's path ({} when the pair
-    is loaded where it was built)."""
-    built = payload["build"]
-    assert isinstance(built, dict)
+        raise PrecompileError(
+            f"cannot write the cache's kernel binaries into inductor's cache folder "
+            f"{root} ({error.strerror or error}: {error.filename}); an inductor "
+            "artifact loads its kernels from files there. Set TORCHINDUCTOR_CACHE_DIR "
+            "to a folder this process can write to, and load again."
+        ) from error
     return {
-        here[key]: built[key]
-        for key in INSTALL_PATHS
-        if built[key] != here[key] and here[key]
+        str(digest): os.path.join(root, name)
+        for digest, name in kernel_sources.items()
+        if name in files
     }
 
 
-@contextlib.contextmanager
-def _placing_moved_binaries(
-    files: dict[str, bytes], moved: dict[str, str], root: str
-) -> Generator[None]:
-    """Execute under ``loading_config``, writing each kernel binary under the key
-    inductor computes here just before inductor looks for it.
-
-    Inductor's key is a hash of the kernel's source and build command line. The
-    command line the build had is this environment's with each moved install path
-    replaced by the build's; if hashing the kernel source (read from the artifact)
-    with it gives the key of a binary the cache carries, that binary was built from
-    this very source with the same flags, and it is the one the artifact pins under
-    that key. Kernels whose key is not found that way compile, as without a cache.
-    """
-    from torch._inductor import codecache
-
-    as_built = re.compile(
-        "|".join(map(re.escape, sorted(moved, key=len, reverse=True)))
-    )
-    missed: list[str] = []
-
-    def place(source: str, extra: str, path: str) -> None:
-        command = as_built.sub(lambda match: moved[match.group(0)], extra)
-        key = codecache.get_hash(source.strip(), command)
-        data = files.get(f"{key[1:3]}/{key}.main.so")
-        if data is None:
-            missed.append(path)
+def _write_binary(target: Path, data: bytes) -> None:
+    # A file already there is kept if it holds these very bytes, which a running
+    # process may have imported; any other is replaced.
+    try:
+        if target.read_bytes() == data:
             return
-        try:
-            _write_binary(Path(_binary_path(path)), data, probe=False)
-        except OSError as error:
-            raise _unwritable(root, error) from error
-
-    with loading_config(), _recording_kernel_sources(place):
-        yield
-    if missed:
-        log.warning(
-            "precompile_gen.load: the cache's compiled kernels were built under other "
-            "install paths (%s here); %d of the artifact's kernels matched none of "
-            "them with this environment's build flags and were compiled from "
-            "python_code (slower, same results).",
-            ", ".join(f"{here} was {built}" for here, built in moved.items()),
-            len(missed),
-        )
-
-
-def _write_binary(target: Path, data: bytes, *, probe: bool) -> None:
-    # A file already under this name is kept: the name is inductor's hash of the
-    # kernel's source and build flags, so it holds an equivalent binary, which a
-    # running process may have loaded.
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Write-then-rename: a concurrent loader never sees half a binary.
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        try:
-            partial.write_bytes(data)
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
-    if probe:
-        # The marker records that the probe binary loaded on this machine.
-        target.with_name(target.name + _PROBE_MARKER).touch()
-
-
-@contextlib.contextmanager
-def loading_config() -> Generator[None]:
-    """Inductor configuration for executing an artifact whose kernels were primed."""
-    from torch._inductor import config
-
-    with TORCH_STATE_LOCK, config.patch(LOAD_CONFIG):
-        yield
+    except OSError:
+        pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write-then-rename: a concurrent loader never sees half a binary.
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _unusable(payload: object, here: dict[str, str]) -> str | None:
@@ -351,25 +259,13 @@ def _unusable(payload: object, here: dict[str, str]) -> str | None:
     built = payload.get("build")
     if not isinstance(built, dict):
         return "it records no build fingerprint"
-    differing = [
-        key for key in differing_build(payload, here) if key not in INSTALL_PATHS
-    ]
+    differing = differing_build(payload, here)
     if differing:
         details = ", ".join(
             f"{key} {describe_untrusted(built.get(key))} (here {here[key]!r})"
             for key in differing
         )
         return f"they were built for a different environment: {details}"
-    for key in INSTALL_PATHS:
-        # Substituted into build command lines: a path, nothing that reads as flags.
-        path = built.get(key)
-        if path != here[key] and not (
-            isinstance(path, str) and _PLAIN_PATH.fullmatch(path)
-        ):
-            return (
-                f"its build fingerprint records the install path {key} as "
-                f"{describe_untrusted(path)}, not a plain absolute path"
-            )
     return None
 
 
@@ -398,43 +294,6 @@ def differing_build(payload: dict[str, object], here: dict[str, str]) -> list[st
     if not isinstance(built, dict):
         return list(here)
     return [key for key in here if built.get(key) != here[key]]
-
-
-@contextlib.contextmanager
-def _recording_kernel_sources(
-    on_write: Callable[[str, str, str], None] | None = None,
-) -> Generator[list[tuple[str, str]]]:
-    """Record (source, path) of every C++ kernel source inductor writes to its cache.
-
-    ``write`` is where inductor turns a kernel's source and build flags into its key
-    and path, before it looks for the binary; ``on_write(source, build_flags, path)``
-    runs at that point.
-    """
-    from torch._inductor import codecache
-
-    recorded: list[tuple[str, str]] = []
-    original = codecache.write
-
-    def recording_write(
-        content: Any, extension: str, extra: str = "", *args: Any, **kwargs: Any
-    ) -> Any:
-        key, path = original(content, extension, extra, *args, **kwargs)
-        if extension == "main.cpp":
-            recorded.append((content, path))
-            if on_write is not None:
-                on_write(content, extra, path)
-        return key, path
-
-    codecache.write = recording_write
-    try:
-        yield recorded
-    finally:
-        codecache.write = original
-
-
-def _execute_module(graph_source: str) -> None:
-    namespace: dict[str, object] = {"__name__": "precompile_gen_kernel_scan"}
-    exec(compile(graph_source, "<precompile_gen:kernel-scan>", "exec"), namespace)
 
 
 def _binary_path(source_path: str) -> str:

@@ -157,15 +157,18 @@ def load(
     if backend != "inductor":
         return _execute(text, filename, signed=signed)
     kernel_binaries.check_cache_folder()
-    primed = None
+    binaries = None
     if artifact is not None:
-        primed = kernel_binaries.prime(
-            artifact, metadata["KERNEL_BINARIES"], signed=signed
+        binaries = kernel_binaries.prime(
+            artifact,
+            metadata["KERNEL_BINARIES"],
+            metadata["KERNEL_SOURCES"],
+            signed=signed,
         )
-    # Executing inductor's module compiles or loads its kernels through
-    # process-global compiler state, as lowering does; the two take turns.
-    with primed if primed is not None else kernel_binaries.TORCH_STATE_LOCK:
-        return _execute(text, filename, signed=signed)
+    # A kernel without a binary compiles through inductor's process-global compiler
+    # state, as lowering does; the two take turns.
+    with kernel_binaries.TORCH_STATE_LOCK:
+        return _execute(text, filename, signed=signed, binaries=binaries or {})
 
 
 def _artifact_text(python_code: object) -> tuple[str, str | None]:
@@ -213,7 +216,11 @@ def _read_file(path: str, what: str) -> bytes:
 
 
 def _execute(
-    python_code: str, path: str | None, *, signed: bool
+    python_code: str,
+    path: str | None,
+    *,
+    signed: bool,
+    binaries: dict[str, str] | None = None,
 ) -> Callable[..., object]:
     digest = code_hash(python_code)[:12]
     # Tracebacks through the artifact name this file and show its lines: the real
@@ -238,10 +245,13 @@ def _execute(
         filename,
     )
     namespace: dict[str, object] = {"__name__": f"precompile_gen_artifact_{digest}"}
+    if binaries is not None:
+        # Read by the graph section: which kernels import their binary from where.
+        namespace["__kernel_binaries__"] = binaries
     try:
         exec(compile(python_code, filename, "exec"), namespace)
     except PrecompileError:
-        raise  # placing a kernel binary failed, with its own fix
+        raise  # already says what failed and how to fix it
     except Exception as error:
         raise PrecompileError(
             f"executing python_code failed ({type(error).__name__}: {error}). It may "

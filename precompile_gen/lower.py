@@ -12,7 +12,7 @@ import re
 import torch
 import torch.utils._pytree as pytree
 
-from precompile_gen import kernel_binaries, timings
+from precompile_gen import inductor_imports, kernel_binaries, timings
 from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
@@ -39,9 +39,10 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         graph_source, graph_imports, graph_in_spec, graph_out_spec = _eager_graph(
             traced.gm
         )
-        cache_artifact = None
+        cache_artifact, kernel_sources, rewritten_imports = None, {}, []
     else:
-        graph_source, cache_artifact = _inductor_graph(traced)
+        graph_source, cache_artifact, kernel_sources = _inductor_graph(traced)
+        graph_source, rewritten_imports = _rewrite_imports(graph_source)
         graph_imports, graph_in_spec, graph_out_spec = [], None, None
     state = traced.state
     strides: list[tuple[int, ...] | None] = [
@@ -93,8 +94,10 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
             imports=graph_imports,
             in_spec=graph_in_spec,
             out_spec=graph_out_spec,
+            rewritten_imports=rewritten_imports,
         ),
         kernel_binaries=kernel_binaries.digests(cache_artifact),
+        kernel_sources=kernel_sources,
         cache_artifact=cache_artifact,
     )
 
@@ -166,7 +169,17 @@ def _eager_graph(gm: torch.fx.GraphModule) -> tuple[str, list[str], str, str]:
     )
 
 
-def _inductor_graph(traced: TracedGraph) -> tuple[str, dict[str, object]]:
+def _rewrite_imports(graph_source: str) -> tuple[str, list[tuple[str, str]]]:
+    """Inductor's module with the imports that need its compiler rewritten
+    (``inductor_imports``), resolving ``extern_kernels`` with Inductor's own table."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    return inductor_imports.rewrite(graph_source, vars(extern_kernels))
+
+
+def _inductor_graph(
+    traced: TracedGraph,
+) -> tuple[str, dict[str, object], dict[str, str]]:
     from torch._functorch import aot_autograd
     from torch._inductor.exc import InductorError
     from torch._inductor.standalone_compile import NoRunnableInductorModuleError
@@ -194,7 +207,7 @@ def _inductor_graph(traced: TracedGraph) -> tuple[str, dict[str, object]]:
                 traced.gm, traced.flat_args, options=options
             )
             with timings.stage("cache"):
-                return graph_source, kernel_binaries.collect(graph_source)
+                return graph_source, *kernel_binaries.collect(graph_source)
     except NoRunnableInductorModuleError as error:
         raise PrecompileError(
             "the inductor backend has nothing to compile: the function returns its "

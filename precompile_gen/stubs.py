@@ -32,10 +32,39 @@ _GRAPH_STUBS: dict[Backend, str] = {
         "    return list(flat)\n"
     ),
     "inductor": (
+        "AsyncCompile = _AsyncCompile\n"
+        "extern_kernels = SimpleNamespace(addmm=torch.addmm)\n"
+        "assert_tensor_metadata = _assert_tensor_metadata\n"
+        "\n"
+        "\n"
+        "def _kernel() -> object:  # not called: building it would run the compiler\n"
+        "    async_compile = AsyncCompile()\n"
+        '    kernel = async_compile.cpp_pybinding(["float*"], "source")\n'
+        "    async_compile.wait(globals())\n"
+        "    return kernel\n"
+        "\n"
+        "\n"
         "def call(flat_inputs: list[object]) -> list[object]:\n"
         "    return list(flat_inputs)\n"
     ),
 }
+# Each rewrite the inductor stub's graph stands for (inductor_imports), so that every
+# stand-in the graph section can define is rendered.
+_REWRITTEN_IMPORTS = [
+    (
+        "from torch._inductor.async_compile import AsyncCompile",
+        "AsyncCompile = _AsyncCompile",
+    ),
+    (
+        "from torch._inductor.select_algorithm import extern_kernels",
+        "extern_kernels = SimpleNamespace(addmm=torch.addmm)",
+    ),
+    (
+        "from torch._inductor.runtime.runtime_utils import assert_tensor_metadata",
+        "assert_tensor_metadata = _assert_tensor_metadata",
+    ),
+    ("from torch._inductor.hooks import run_intermediate_hooks", ""),
+]
 
 # The imports fx's generated code relies on (torch.fx.graph._custom_builtins).
 _EAGER_GRAPH_IMPORTS = [
@@ -47,6 +76,8 @@ _EAGER_GRAPH_IMPORTS = [
     "import torch.fx._pytree as fx_pytree",
     "import torch.utils._pytree as pytree",
 ]
+
+_BINARY = "ab/c" + "0" * 51 + ".main.so"
 
 _LEAF_SPEC = '{"type": null, "context": null, "children_spec": []}'
 _FLAT_SPEC = f"[1, {_LEAF_SPEC}]"
@@ -96,8 +127,10 @@ def stub_capture(backend: Backend) -> CaptureResult:
             imports=_EAGER_GRAPH_IMPORTS if eager else [],
             in_spec=_FLAT_SPEC if eager else None,
             out_spec=_FLAT_SPEC if eager else None,
+            rewritten_imports=[] if eager else _REWRITTEN_IMPORTS,
         ),
-        kernel_binaries={"ab/c" + "0" * 51 + ".main.so": "0" * 64},
+        kernel_binaries={_BINARY: "0" * 64},
+        kernel_sources={"1" * 64: _BINARY},
         cache_artifact=None,
     )
 

@@ -63,12 +63,7 @@ def format_report(report: dict[str, Any], artifact: str, cache: str) -> str:
     if binaries is not None:
         differing = binaries["differs_from_here"]
         if not differing:
-            here = "built for this machine"
-        elif set(differing) <= set(kernel_binaries.INSTALL_PATHS):
-            here = (
-                f"built under other install paths ({', '.join(differing)} differ): "
-                "load places them under this environment's kernel keys"
-            )
+            here = "they run here (same torch, Python, architecture and CPU capability)"
         else:
             here = (
                 f"built elsewhere ({', '.join(differing)} differ): load compiles "

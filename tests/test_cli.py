@@ -502,14 +502,13 @@ def test_verify_checks_the_kernel_binaries_digests(
         "sha256": {escaping_name: hashlib.sha256(b"binary").hexdigest()},
     }
     step, cache = _pair(tmp_path, "step", code, build_cache(code, "inductor", payload))
-    # Built in another virtualenv: only the install paths differ.
-    elsewhere = {**kernel_binaries.build_fingerprint(), "torch_dir": "/opt/venv/torch"}
-    moved: dict[str, object] = {**payload, "build": elsewhere}
+    # Built with this environment's fingerprint: the binaries can run here.
+    here: dict[str, object] = {**payload, "build": kernel_binaries.build_fingerprint()}
     for name_, data in [
         ("damaged", damaged),
         ("bare", None),
         ("escaping", escaping),
-        ("moved", moved),
+        ("here", here),
     ]:
         (tmp_path / f"{name_}.cache").write_bytes(build_cache(code, "inductor", data))
 
@@ -520,12 +519,9 @@ def test_verify_checks_the_kernel_binaries_digests(
         "kernel binaries  1 file, 6 bytes, sha256 ok, each pinned by the artifact's "
         "KERNEL_BINARIES; built elsewhere (" in out
     )
-    result, out, err = _cli(capsys, "verify", step, str(tmp_path / "moved.cache"))
+    result, out, err = _cli(capsys, "verify", step, str(tmp_path / "here.cache"))
     assert result == 0, err
-    assert (
-        "built under other install paths (torch_dir differ): load places them under "
-        "this environment's kernel keys" in out
-    )
+    assert "they run here (same torch, Python, architecture and CPU capability)" in out
     result, out, err = _cli(capsys, "verify", step, str(tmp_path / "bare.cache"))
     assert result == 0, err
     assert "kernel binaries  none: load compiles the kernels from source" in out

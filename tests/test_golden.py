@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
+from precompile_gen import inductor_imports
 from precompile_gen.capture_result import (
     CompiledGraph,
     InputLeaf,
@@ -90,7 +91,11 @@ _LEAF = '{"type": null, "context": null, "children_spec": []}'
 
 def inductor_inference() -> pg.CaptureResult:
     """``predict`` on the MLP, as the inductor backend captures it (written out by
-    hand; the graph is the canned module)."""
+    hand; the graph is the canned module, its imports rewritten as lowering does)."""
+    source, rewritten_imports = inductor_imports.rewrite(
+        (FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
+        {"addmm": torch.addmm},
+    )
     weights = [("0.weight", (8, 4), (4, 1)), ("0.bias", (8,), (1,))]
     weights += [("2.weight", (2, 8), (8, 1)), ("2.bias", (2,), (1,))]
     return pg.CaptureResult(
@@ -124,14 +129,16 @@ def inductor_inference() -> pg.CaptureResult:
         ],
         aliased_inputs=[],
         graph=CompiledGraph(
-            source=(FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
+            source=source,
             tensor_literals=[],
             imports=[],
             in_spec=None,
             out_spec=None,
+            rewritten_imports=rewritten_imports,
         ),
         # The canned graph's kernels are not compiled here: nothing is pinned.
         kernel_binaries={},
+        kernel_sources={},
         cache_artifact=None,
     )
 

@@ -539,8 +539,11 @@ def _check_read_cache(
                 assert artifact is None
                 assert len(warnings_seen.about("not a dict")) == 1
         if backend == "inductor" and artifact is not None:
-            pinned = pg.parse_metadata(python_code)["KERNEL_BINARIES"]
-            kernel_binaries.prime(artifact, pinned)  # a context, or None: no raise
+            metadata = pg.parse_metadata(python_code)
+            # The binaries' paths, or None: no raise.
+            kernel_binaries.prime(
+                artifact, metadata["KERNEL_BINARIES"], metadata["KERNEL_SOURCES"]
+            )
 
     try:
         signed = read_cache(cache, python_code=python_code, backend=backend, key=KEY)
@@ -789,7 +792,7 @@ _payload_edit = st.one_of(
     ),
     st.tuples(
         st.just("build"),
-        st.sampled_from(["torch", "compiler", "torch_dir", "python_include", "new"]),
+        st.sampled_from(["torch", "python", "machine", "cpu_capability", "new"]),
         _values,
     ),
 )
@@ -832,8 +835,9 @@ def test_fuzz_priming_hostile_kernel_payloads(
     # Straight to prime (what load calls after the pairing check), so values no
     # pickle round trip would keep, such as 100,000-deep nesting, are covered too.
     deep = _deep_list(100_000)
-    pinned = pg.parse_metadata(subject.inductor_code)["KERNEL_BINARIES"]
-    assert isinstance(pinned, dict) and pinned
+    metadata = pg.parse_metadata(subject.inductor_code)
+    pinned, sources = metadata["KERNEL_BINARIES"], metadata["KERNEL_SOURCES"]
+    assert isinstance(pinned, dict) and pinned and isinstance(sources, dict)
 
     def check(case: Any) -> None:
         edits, nest_deeply = case
@@ -844,22 +848,16 @@ def test_fuzz_priming_hostile_kernel_payloads(
             if isinstance(container, dict):
                 container[entry or field] = deep
         files = payload.get("files") if isinstance(payload, dict) else None
-        before = {
-            name: (inductor_cache_dir / name).read_bytes()
-            for name in (files if isinstance(files, dict) else {})
-            if isinstance(name, str) and (inductor_cache_dir / name).is_file()
-        }
-        if kernel_binaries.prime(payload, pinned) is not None:
+        binaries = kernel_binaries.prime(payload, pinned, sources)
+        if binaries is not None:
             assert isinstance(files, dict)
             for name, data in files.items():
-                # Only what the artifact pins is ever written.
+                # Only what the artifact pins is ever written, and it is what is
+                # there afterwards.
                 assert pinned.get(name) == hashlib.sha256(data).hexdigest()
-                # A binary already cached under the same key is kept as it was.
-                # (Under moved install paths, kernel binaries are written only as
-                # the artifact's execution asks for them.)
-                if (inductor_cache_dir / name).is_file():
-                    expected = before.get(name, data)
-                    assert (inductor_cache_dir / name).read_bytes() == expected
+                assert (inductor_cache_dir / name).read_bytes() == data
+            # The artifact is given only binaries the artifact itself names.
+            assert set(binaries) <= set(sources)
 
     _fuzz(
         "kernel_payload",
@@ -1064,8 +1062,13 @@ def test_corpus_a_deep_payload_in_the_kernel_fingerprint(
     assert isinstance(payload, dict) and isinstance(payload["build"], dict)
     payload["build"]["torch"] = _deep_list(_DEPTH)
     warnings_seen.messages.clear()
-    pinned = pg.parse_metadata(subject.inductor_code)["KERNEL_BINARIES"]
-    assert kernel_binaries.prime(payload, pinned) is None
+    metadata = pg.parse_metadata(subject.inductor_code)
+    assert (
+        kernel_binaries.prime(
+            payload, metadata["KERNEL_BINARIES"], metadata["KERNEL_SOURCES"]
+        )
+        is None
+    )
     (message,) = warnings_seen.messages
     assert "different environment" in message and len(message) < 2000
     assert not list(inductor_cache_dir.rglob("*.so"))

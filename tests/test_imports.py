@@ -1,6 +1,7 @@
 """A process that only loads and runs artifacts imports what that needs: not the
 tracer's symbolic machinery, Inductor, Dynamo, Jinja or black, nor the parts of
-precompile_gen that capture and render."""
+precompile_gen that capture and render; for an inductor artifact whose kernel
+binaries come with its cache, not Inductor either."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -66,10 +68,13 @@ def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x)
 
 
-def test_loading_an_eager_artifact_imports_nothing_capture_needs(
-    tmp_path: Path,
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_loading_an_artifact_imports_nothing_capture_needs(
+    backend: str, tmp_path: Path
 ) -> None:
-    code, cache = pg.precompile(predict, _mlp(), torch.ones(3, 4), backend="eager")
+    # For inductor, with the cache: every kernel's binary is in it, so nothing of
+    # Inductor's compiler (nor Dynamo, which it imports) is needed to run the graph.
+    code, cache = pg.precompile(predict, _mlp(), torch.ones(3, 4), backend=backend)
     (tmp_path / "code.py").write_text(code, encoding="utf-8")
     (tmp_path / "cache.bin").write_bytes(cache)
     script = _CHILD.format(
@@ -77,12 +82,14 @@ def test_loading_an_eager_artifact_imports_nothing_capture_needs(
         code=str(tmp_path / "code.py"),
         cache=str(tmp_path / "cache.bin"),
     )
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    environment["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor-cache")
     done = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         check=False,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        env=environment,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,7 @@
 """The inductor cache carries the kernel binaries, so a fresh process with an empty
-inductor cache folder reaches its first result without running the compiler; a
-payload that does not fit the machine falls back to compiling, with a warning."""
+inductor cache folder reaches its first result without importing Inductor, let alone
+running the compiler; a payload that does not fit the machine, or a kernel without a
+binary, falls back to compiling, with a warning."""
 
 from __future__ import annotations
 
@@ -84,31 +85,29 @@ def test_payload_carries_each_kernel_binary_with_its_digest(pair: Pair) -> None:
     assert payload["kind"] == kernel_binaries.PAYLOAD_KIND
     files, digests = payload["files"], payload["sha256"]
     assert isinstance(files, dict) and isinstance(digests, dict)
-    kernels = re.findall(r"^(\w+) = async_compile\.cpp_pybinding", pair.code, re.M)
+    kernels = re.findall(
+        r"^\w+ = async_compile\.cpp_pybinding\(\[[^]]*\], r\'\'\'(.*?)\'\'\'\)",
+        pair.code,
+        re.M | re.S,
+    )
     assert kernels, "the artifact compiles C++ kernels"
-    binaries = [name for name in files if name.endswith(".main.so")]
-    assert len(binaries) == len(kernels)
+    assert len(files) == len(kernels)
     for name, data in files.items():
-        assert re.fullmatch(r"[a-z0-9]{2}/c[a-z0-9]{51}\.(main\.)?so", name)
+        assert re.fullmatch(r"[a-z0-9]{2}/c[a-z0-9]{51}\.main\.so", name)
         assert data[:4] == b"\x7fELF"
-    # The rest are the ISA probe binaries the loader's inductor looks up.
-    assert len(files) > len(binaries)
     assert set(digests) == set(files)
     assert payload["build"] == kernel_binaries.build_fingerprint()
+    # The artifact says which binary is each kernel's, by its source's digest.
+    sources = pg.parse_metadata(pair.code)["KERNEL_SOURCES"]
+    assert isinstance(sources, dict)
+    assert set(sources) == {hashlib.sha256(k.encode()).hexdigest() for k in kernels}
+    assert sorted(sources.values()) == sorted(files)
 
 
 _CHILD = """\
 import json, os, sys, torch, precompile_gen as pg
-from torch._inductor import cpp_builder
 sys.path.insert(0, {tests!r})
 from test_kernel_cache import _inputs, _model, train_step
-# Every compiler run (kernels, ISA probes, precompiled headers) goes through build().
-compiled = []
-build = cpp_builder.CppBuilder.build
-def recording_build(self, *args, **kwargs):
-    compiled.append(self.get_target_file_path())
-    return build(self, *args, **kwargs)
-cpp_builder.CppBuilder.build = recording_build
 code = open({code!r}, encoding="utf-8").read()
 cache = open({cache!r}, "rb").read()
 forward = pg.load(code, cache)
@@ -119,7 +118,11 @@ for got, want in zip(model.parameters(), reference.parameters(), strict=True):
     torch.testing.assert_close(got.grad, want.grad)
 print(json.dumps({{
     "loss": float(loss),
-    "compiled": compiled,
+    # Compiling a kernel needs Inductor: a process that never imported it compiled
+    # nothing.
+    "imported": sorted(
+        name for name in ("torch._inductor", "torch._dynamo") if name in sys.modules
+    ),
     "torch_dir": os.path.dirname(torch.__file__),
 }}))
 """
@@ -128,7 +131,8 @@ print(json.dumps({{
 @dataclass
 class FreshLoad:
     binaries: dict[str, bytes]  # the inductor cache folder's afterwards, by name
-    compiled: list[str]  # what the compiler built
+    compiled: list[str]  # the kernel sources written there to compile
+    imported: list[str]  # Inductor and Dynamo, if the process imported them
     torch_dir: str
 
 
@@ -145,7 +149,8 @@ def _fresh_load(
         path.relative_to(cache_dir).as_posix(): path.read_bytes()
         for path in cache_dir.rglob("*.so")
     }
-    return FreshLoad(binaries, report["compiled"], report["torch_dir"])
+    compiled = [path.name for path in cache_dir.rglob("*.cpp")]
+    return FreshLoad(binaries, compiled, report["imported"], report["torch_dir"])
 
 
 @pytest.mark.slow
@@ -153,11 +158,11 @@ def test_fresh_process_with_empty_cache_folder_compiles_nothing(
     pair: Pair, tmp_path: Path
 ) -> None:
     # Every binary the process used is one the cache carried: nothing was compiled,
-    # not even the precompiled header inductor builds before its first compile.
+    # and neither Inductor nor Dynamo was imported.
     loaded = _fresh_load(tmp_path, pair.code, pair.cache)
+    assert loaded.imported == []
     assert loaded.compiled == []
     assert loaded.binaries == _payload(pair)["files"]
-    assert not (tmp_path / "inductor-cache" / "precompiled_headers").exists()
 
 
 @pytest.mark.slow
@@ -165,19 +170,18 @@ def test_fresh_process_without_the_payload_compiles(pair: Pair, tmp_path: Path) 
     # The control for the tests around it: without the binaries the kernels are
     # compiled.
     loaded = _fresh_load(tmp_path, pair.code, _with_payload(pair, None))
-    built = {name for name in loaded.binaries if name.endswith(".main.so")}
-    shipped = _payload(pair)["files"]
-    assert isinstance(shipped, dict)
-    assert built and built.isdisjoint(shipped)
-    assert any(path.endswith(".main.so") for path in loaded.compiled)
+    assert loaded.imported == ["torch._dynamo", "torch._inductor"]
+    assert len(loaded.compiled) == len(pair.code.split("= async_compile.cpp_pybinding"))
+    assert loaded.binaries
 
 
 @pytest.mark.slow
 def test_another_environment_at_other_install_paths_compiles_nothing(
     pair: Pair, tmp_path: Path
 ) -> None:
-    # The same installation reached through another folder: torch and Python's
-    # headers are seen under other paths, which are part of inductor's keys.
+    # The same installation reached through another folder, as from a second
+    # virtualenv: torch and Python's headers are seen under other paths, which are
+    # part of inductor's keys but not of the binaries, imported as they are.
     prefix = Path(sys.prefix)
     python = Path(sys.executable)
     if not python.is_relative_to(prefix):
@@ -186,66 +190,50 @@ def test_another_environment_at_other_install_paths_compiles_nothing(
     other_prefix.symlink_to(prefix, target_is_directory=True)
     other_python = other_prefix / python.relative_to(prefix)
     loaded = _fresh_load(tmp_path, pair.code, pair.cache, str(other_python))
-    built_under = _payload(pair)["build"]
-    assert isinstance(built_under, dict)
-    assert loaded.torch_dir != built_under["torch_dir"]
     assert loaded.torch_dir.startswith(str(other_prefix))
-    # Inductor looked the kernels up under other keys, found the cache's binaries
-    # there, and compiled nothing.
+    assert loaded.imported == []
     assert loaded.compiled == []
-    shipped = _payload(pair)["files"]
-    assert isinstance(shipped, dict)
-    kernels = {n: b for n, b in loaded.binaries.items() if n.endswith(".main.so")}
-    assert kernels and set(kernels).isdisjoint(shipped)
-    assert sorted(kernels.values()) == sorted(
-        data for name, data in shipped.items() if name.endswith(".main.so")
-    )
+    assert loaded.binaries == _payload(pair)["files"]
 
 
-def test_an_install_path_that_is_not_a_plain_path_is_not_used(
+def test_a_kernel_without_a_binary_compiles_alone(
     pair: Pair,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    # A cache's install paths are substituted into build command lines: one that
-    # would read as flags is refused before anything is written.
+    # A cache that lacks one kernel's binary: that kernel compiles from its source
+    # in the artifact, the others are imported from theirs.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     payload = copy.deepcopy(_payload(pair))
-    payload["build"]["torch_dir"] = "/x -O0"  # type: ignore[index]
-    pinned = kernel_binaries.digests(payload)
-    caplog.set_level(logging.WARNING)
-    assert kernel_binaries.prime(payload, pinned) is None
-    assert "install path torch_dir" in caplog.text
-    assert not list(tmp_path.rglob("*.so"))
-
-
-def test_kernels_no_binary_matches_under_moved_paths_compile_with_a_warning(
-    pair: Pair,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
-) -> None:
-    # Built under a torch folder whose substitution does not give the keys of the
-    # carried binaries (as when flags differ besides the paths): each kernel
-    # compiles from the artifact, once the loader has said so.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    payload = copy.deepcopy(_payload(pair))
-    payload["build"]["torch_dir"] = "/opt/elsewhere/torch"  # type: ignore[index]
-    caplog.set_level(logging.WARNING)
+    files, digests = payload["files"], payload["sha256"]
+    assert isinstance(files, dict) and isinstance(digests, dict) and len(files) > 1
+    missing = sorted(files)[0]
+    del files[missing], digests[missing]
     forward = pg.load(pair.code, _with_payload(pair, payload))
-    kernels = len(re.findall(r"= async_compile\.cpp_pybinding", pair.code))
-    (warning,) = [
-        r.getMessage() for r in caplog.records if "install paths" in r.message
-    ]
-    assert f"{kernels} of the artifact's kernels matched none" in warning
-    assert "was /opt/elsewhere/torch" in warning
-    shipped = _payload(pair)["files"]
-    assert isinstance(shipped, dict)
-    assert not any(
-        path.read_bytes() in shipped.values() for path in tmp_path.rglob("*.main.so")
-    )
     _assert_matches_eager(forward)
+    # Inductor writes the source of each kernel it compiles into its cache folder;
+    # the others' binaries are the cache's.
+    assert len(list(tmp_path.rglob("*.main.cpp"))) == 1
+    for name, data in files.items():
+        assert (tmp_path / name).read_bytes() == data
+
+
+def test_a_binary_that_cannot_be_imported_is_compiled_with_a_warning(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Executed with a binary that is no kernel module (as when a library it needs
+    # is missing here), the artifact compiles that kernel instead, after a warning.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    sources = pg.parse_metadata(pair.code)["KERNEL_SOURCES"]
+    assert isinstance(sources, dict)
+    digest = next(iter(sources))
+    broken = tmp_path / "broken.main.so"
+    broken.write_bytes(b"not a shared library")
+    namespace: dict[str, object] = {"__kernel_binaries__": {digest: str(broken)}}
+    with pytest.warns(UserWarning, match="cannot be imported here"):
+        exec(compile(pair.code, "<artifact>", "exec"), namespace)
+    _assert_matches_eager(namespace["forward"])
 
 
 @pytest.mark.parametrize(
@@ -253,12 +241,12 @@ def test_kernels_no_binary_matches_under_moved_paths_compile_with_a_warning(
     [
         (lambda p: p["build"].update(torch="0.0.0"), "different environment"),
         (lambda p: p["build"].update(cpu_capability="NEON"), "cpu_capability"),
-        (lambda p: p["build"].update(compiler="clang 1.0"), "compiler"),
+        (lambda p: p["build"].update(python="3.0.0"), "python"),
         (lambda p: p.update(build="unknown"), "build fingerprint"),
         (lambda p: p.update(kind="other"), "not a kernel-binary payload"),
         (lambda p: p.update(files=[]), "manifest is malformed"),
     ],
-    ids=["torch", "isa", "compiler", "no-fingerprint", "kind", "manifest"],
+    ids=["torch", "isa", "python", "no-fingerprint", "kind", "manifest"],
 )
 def test_unusable_payload_falls_back_to_compiling_with_a_warning(
     pair: Pair,
@@ -337,16 +325,32 @@ def test_priming_writes_the_binaries_under_their_keys(
 ) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     payload = _payload(pair)
-    pinned = kernel_binaries.digests(payload)
-    assert kernel_binaries.prime(payload, pinned) is not None
+    metadata = pg.parse_metadata(pair.code)
+    pinned, sources = metadata["KERNEL_BINARIES"], metadata["KERNEL_SOURCES"]
+    assert isinstance(sources, dict)
     files = payload["files"]
     assert isinstance(files, dict)
+    # A file already under one of the names, with other bytes, is replaced.
+    stale = tmp_path / next(iter(files))
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"stale")
+    binaries = kernel_binaries.prime(payload, pinned, sources)
+    # The artifact is given each kernel's binary by its source's digest.
+    assert binaries == {
+        digest: str(tmp_path / name) for digest, name in sources.items()
+    }
     for name, data in files.items():
         assert (tmp_path / name).read_bytes() == data
-        is_probe = not name.endswith(".main.so")
-        assert (tmp_path / f"{name}.load_ok").is_file() == is_probe
-    # Priming again leaves the existing files alone.
-    assert kernel_binaries.prime(payload, pinned) is not None
+    assert kernel_binaries.prime(payload, pinned, sources) == binaries
+
+
+def test_kernel_folder_is_inductors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert kernel_binaries.kernel_folder() == default_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "relative/folder")
+    assert kernel_binaries.kernel_folder() == os.path.abspath("relative/folder")
 
 
 def test_load_leaves_inductor_config_as_it_was(pair: Pair) -> None:

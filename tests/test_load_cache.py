@@ -194,6 +194,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_VALUES": [None, None, 2],
         "ALIASED_INPUTS": [],
         "KERNEL_BINARIES": {},
+        "KERNEL_SOURCES": {},
     }
     assert list(meta) == [
         "BACKEND",
@@ -225,6 +226,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_VALUES",
         "ALIASED_INPUTS",
         "KERNEL_BINARIES",
+        "KERNEL_SOURCES",
     ]
 
 

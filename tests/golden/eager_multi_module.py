@@ -160,6 +160,9 @@ ALIASED_INPUTS: list[dict[int, tuple[int, tuple[int, ...]]]] = []
 # The compiled kernels this artifact accepts from a cache: file key (in inductor's
 # cache folder) -> sha256. load() writes no other binary, whatever the cache brings.
 KERNEL_BINARIES: dict[str, str] = {}
+# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the
+# file key of its binary above. A kernel without one compiles from its source.
+KERNEL_SOURCES: dict[str, str] = {}
 
 # ====================================================================================
 # 3. Driver: validate the call, run the graph
