@@ -19,7 +19,8 @@ All rows are measured in this one run, after one untimed precompile that warms t
 operating system's file cache; the ratios compare rows of that run. For the cache
 row, a second table breaks the fresh process down by wall clock, from the moment it
 is started: the interpreter with ``import torch``, importing precompile_gen (which
-the demo model comes from, for both systems), ``load``, and the first call; and
+the demo model comes from, for both systems), ``load`` (for precompile_gen: prime,
+writing the binaries into place, and executing the artifact), and the first call; and
 compares the whole with a bare ``python -c "import torch"`` timed in the same run.
 """
 
@@ -48,8 +49,19 @@ from precompile_gen import demo
 imported_precompile_gen = time.time()
 
 system, step, code_path, cache_path = sys.argv[1:5]
+priming = [0.0]
 if system == "precompile_gen":
     precompile, load = precompile_gen.precompile, precompile_gen.load
+    # Time the part of load that writes the binaries into place.
+    from precompile_gen import kernel_binaries
+    prime = kernel_binaries.prime
+    def timed_prime(*args, **kwargs):
+        begun = time.perf_counter()
+        try:
+            return prime(*args, **kwargs)
+        finally:
+            priming[0] += time.perf_counter() - begun
+    kernel_binaries.prime = timed_prime
 else:
     precompile, load = torch.compiler.precompile, torch.compiler.precompile.load
 model, images, labels = demo.example()
@@ -70,6 +82,7 @@ print(json.dumps({
     "imported_precompile_gen": imported_precompile_gen,
     "started_load": started_load,
     "loaded": loaded if step != "precompile" else None,
+    "prime": priming[0],
     "called": called if step != "precompile" else None,
 }))
 """
@@ -148,6 +161,8 @@ def _measure(system: str, work: Path) -> dict[str, float]:
         report["imported_precompile_gen"] - report["imported_torch"]
     )
     seconds["load"] = report["loaded"] - report["started_load"]
+    seconds["  prime"] = report["prime"]
+    seconds["  execute"] = seconds["load"] - report["prime"]
     seconds["first call"] = report["called"] - report["loaded"]
     seconds["start to first result"] = report["called"] - report["spawned"]
     seconds["no cache"] = load(stripped, "c2")
@@ -177,8 +192,8 @@ def main() -> None:
     print()
     for label, r in (("precompile_gen", ours), ("torch precompile", theirs)):
         print(
-            f"{label}: no cache / cache = {r['no cache'] / r['cache']:.1f}x "
-            f"(target >= 4x); cache / warm = {r['cache'] / r['warm']:.2f}x "
+            f"{label}: cache / no cache = {r['cache'] / r['no cache']:.2f}x "
+            f"(target <= 0.25x); cache / warm = {r['cache'] / r['warm']:.2f}x "
             "(target <= 1.5x)"
         )
         print(
@@ -193,6 +208,8 @@ def main() -> None:
         "interpreter + import torch",
         "import precompile_gen",
         "load",
+        "  prime",
+        "  execute",
         "first call",
         "start to first result",
     ):
@@ -200,7 +217,10 @@ def main() -> None:
     print(f"{'bare import torch':<28}{bare:>16.2f}")
     for label, r in (("precompile_gen", ours), ("torch precompile", theirs)):
         ratio = r["start to first result"] / bare
-        print(f"{label}: start to first result / bare import torch = {ratio:.1f}x")
+        print(
+            f"{label}: start to first result / bare import torch = {ratio:.2f}x "
+            "(target <= 1.6x, stretch 1.5x)"
+        )
 
 
 if __name__ == "__main__":
