@@ -245,6 +245,30 @@ def test_artifact_runs_in_a_fresh_interpreter_without_precompile_gen(
     assert result.stdout.strip().splitlines()[-1] == "STANDALONE-OK"
 
 
+@pytest.mark.slow
+def test_inductor_artifact_runs_in_a_fresh_interpreter_without_precompile_gen(
+    artifact_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # Executed without load, nothing says where kernel binaries are: the rewritten
+    # module hands every kernel to Inductor, which compiles it from the artifact.
+    _, model_file = artifact_files
+    namespace = example_namespace()
+    model, batch = namespace["example"]()
+    code, _ = pg.precompile(namespace["train_step"], model, batch)
+    assert "AsyncCompile = _AsyncCompile" in code
+    artifact = tmp_path / "inductor_artifact.py"
+    artifact.write_text(code, encoding="utf-8")
+    runner = tmp_path / "runner.py"
+    runner.write_text(STANDALONE_RUNNER, encoding="utf-8")
+    result = run_python(
+        [str(runner), str(artifact), str(model_file)],
+        tmp_path,
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"),
+    )
+    assert result.stdout.strip().splitlines()[-1] == "STANDALONE-OK"
+    assert list((tmp_path / "inductor-cache").rglob("*.main.cpp"))
+
+
 def test_artifact_errors_without_precompile_gen_use_a_local_precompile_error(
     artifact_files: tuple[Path, Path], tmp_path: Path
 ) -> None:
