@@ -28,6 +28,8 @@ import ast
 import re
 from collections.abc import Mapping
 
+import torch
+
 # The line after Inductor's imports, before its first kernel.
 _IMPORTS_END = "\nasync_compile = AsyncCompile()\n"
 # Imports bound to what the artifact's graph section defines instead, by (module,
@@ -110,8 +112,6 @@ def _torch_expression(kernel: object) -> str | None:
     """How the artifact names ``kernel`` without Inductor: ``torch.<name>`` for a
     torch function, ``torch.ops.<namespace>.<op>[.<overload>]`` for an op; None
     for anything else."""
-    import torch
-
     name = getattr(kernel, "__name__", None)
     if isinstance(name, str) and getattr(torch, name, None) is kernel:
         return f"torch.{name}"

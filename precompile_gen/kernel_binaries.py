@@ -169,9 +169,9 @@ def check_cache_folder() -> None:
 
 def kernel_folder() -> str:
     """Inductor's cache folder, found as inductor finds it (without importing it):
-    TORCHINDUCTOR_CACHE_DIR, else ``torchinductor_<user>`` in the temp folder."""
+    TORCHINDUCTOR_CACHE_DIR if set, else ``torchinductor_<user>`` in the temp folder."""
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not folder:
+    if folder is None:
         try:
             user = getpass.getuser()
         except (KeyError, OSError):
