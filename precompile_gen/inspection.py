@@ -77,8 +77,12 @@ def find_kernels(statements: list[ast.stmt]) -> list[Kernel]:
     return kernels
 
 
+def _source_digest(source: str) -> str:
+    return hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def kernel_summary(kernel: Kernel) -> str:
-    digest = hashlib.sha256(kernel.source.encode("utf-8", "surrogatepass")).hexdigest()
+    digest = _source_digest(kernel.source)
     return (
         f"<{kernel.kind} kernel {kernel.name}: {len(kernel.source):,} characters, "
         f"sha256 {digest[:12]}>"
@@ -116,7 +120,7 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
             ],
         ),
         "output": _output(metadata),
-        "graph": _graph(section_statements(module, graph)),
+        "graph": _graph(section_statements(module, graph), metadata),
         "kernel_binaries": _pinned_binaries(metadata),
         "sections": [
             {
@@ -226,7 +230,8 @@ def format_report(report: dict[str, Any]) -> str:
         out.append(f"  kernels            {len(kernels)}: {kinds}")
         out.extend(
             f"                     {k['name']} ({k['kind']}, "
-            f"{k['source_chars']:,} characters)"
+            f"{k['source_chars']:,} characters, "
+            + (f"binary {k['binary']})" if k["binary"] else "no pinned binary)")
             for k in kernels
         )
     else:
@@ -504,8 +509,13 @@ def _output(metadata: dict[str, object]) -> dict[str, object]:
     return {"structure": structure, "leaves": leaves, "harvested_grads": harvested}
 
 
-def _graph(statements: list[ast.stmt]) -> dict[str, object]:
+def _graph(
+    statements: list[ast.stmt], metadata: dict[str, object]
+) -> dict[str, object]:
     kernels = find_kernels(statements)
+    # The artifact is untrusted text here: a malformed KERNEL_SOURCES names nothing.
+    sources = metadata.get("KERNEL_SOURCES")
+    binaries = sources if isinstance(sources, dict) else {}
     extern: Counter[str] = Counter()
     ops: Counter[str] = Counter()
     for statement in statements:
@@ -523,7 +533,13 @@ def _graph(statements: list[ast.stmt]) -> dict[str, object]:
                 ops[_op_name(name)] += 1
     return {
         "kernels": [
-            {"name": k.name, "kind": k.kind, "source_chars": len(k.source)}
+            {
+                "name": k.name,
+                "kind": k.kind,
+                "source_chars": len(k.source),
+                # The file key of the binary the artifact pins for it, if any.
+                "binary": binaries.get(_source_digest(k.source)),
+            }
             for k in kernels
         ],
         "kernel_kinds": dict(Counter(k.kind for k in kernels)),

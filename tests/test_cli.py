@@ -296,6 +296,19 @@ def test_inspect_reports_harvested_grads_and_inductor_kernels() -> None:
     assert kernels and {k["kind"] for k in kernels} == {"cpp_pybinding"}
     assert inductor["graph"]["kernel_kinds"] == {"cpp_pybinding": len(kernels)}
     assert inductor["graph"]["extern_kernel_calls"]
+    # The golden pins no binary; pinned through KERNEL_SOURCES, a kernel shows its.
+    assert [k["binary"] for k in kernels] == [None]
+    assert "characters, no pinned binary)" in format_report(inductor)
+    (kernel,) = find_kernels(ast.parse(_golden("inductor_inference")).body)
+    digest = hashlib.sha256(kernel.source.encode()).hexdigest()
+    name = "ab/c" + "a" * 51 + ".main.so"
+    pinned = _golden("inductor_inference").replace(
+        "KERNEL_SOURCES: dict[str, str] = {}",
+        f"KERNEL_SOURCES: dict[str, str] = {{{digest!r}: {name!r}}}",
+    )
+    report = inspect_artifact(pinned)
+    assert [k["binary"] for k in report["graph"]["kernels"]] == [name]
+    assert f"characters, binary {name})" in format_report(report)
 
 
 def test_inspect_shows_aliased_inputs_and_pinned_kernel_binaries() -> None:
