@@ -77,12 +77,13 @@ def find_kernels(statements: list[ast.stmt]) -> list[Kernel]:
     return kernels
 
 
-def _source_digest(source: str) -> str:
+def source_digest(source: str) -> str:
+    """A kernel source's sha256, as KERNEL_SOURCES keys it."""
     return hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def kernel_summary(kernel: Kernel) -> str:
-    digest = _source_digest(kernel.source)
+    digest = source_digest(kernel.source)
     return (
         f"<{kernel.kind} kernel {kernel.name}: {len(kernel.source):,} characters, "
         f"sha256 {digest[:12]}>"
@@ -538,7 +539,7 @@ def _graph(
                 "kind": k.kind,
                 "source_chars": len(k.source),
                 # The file key of the binary the artifact pins for it, if any.
-                "binary": binaries.get(_source_digest(k.source)),
+                "binary": binaries.get(source_digest(k.source)),
             }
             for k in kernels
         ],

@@ -14,7 +14,8 @@ from typing import Any
 from precompile_gen import kernel_binaries
 from precompile_gen.cache import check_envelope, check_key, code_hash, read_envelope
 from precompile_gen.errors import PrecompileError
-from precompile_gen.load import parse_metadata
+from precompile_gen.inspection import find_kernels, source_digest
+from precompile_gen.load import parse_artifact, parse_metadata
 
 
 def verify_pair(
@@ -47,6 +48,9 @@ def verify_pair(
         report["kernel_binaries"] = _check_binaries(
             payload, metadata["KERNEL_BINARIES"]
         )
+        report["kernel_binaries"]["without_binary"] = _kernels_without_binary(
+            python_code, metadata["KERNEL_SOURCES"], payload
+        )
     return report
 
 
@@ -75,6 +79,16 @@ def format_report(report: dict[str, Any], artifact: str, cache: str) -> str:
             f"{binaries['bytes']:,} bytes, sha256 ok, each pinned by the artifact's "
             f"KERNEL_BINARIES; {here}"
         )
+        missing = binaries["without_binary"]
+        if differing:
+            pass  # every kernel compiles
+        elif missing:
+            lines.append(
+                f"  kernels          {len(missing)} without a binary in the cache, "
+                f"compiled at load: {', '.join(missing)}"
+            )
+        else:
+            lines.append("  kernels          each has its binary in the cache")
     elif report["backend"] == "inductor":
         lines.append("  kernel binaries  none: load compiles the kernels from source")
     return "\n".join(lines) + "\n"
@@ -86,6 +100,22 @@ def _signature_state(envelope: dict[str, Any], key: bytes | None) -> str:
     if envelope.get("signature") is not None:
         return "present, not checked (pass a key to check it)"
     return "none (the pair was not signed)"
+
+
+def _kernels_without_binary(
+    python_code: str, sources: object, payload: dict[str, object]
+) -> list[str]:
+    """The C++ kernels of the artifact that the cache brings no binary for (by
+    KERNEL_SOURCES): load compiles those."""
+    files = payload["files"]
+    assert isinstance(files, dict)
+    binaries = sources if isinstance(sources, dict) else {}
+    return [
+        kernel.name
+        for kernel in find_kernels(parse_artifact(python_code).body)
+        if kernel.kind == "cpp_pybinding"
+        and binaries.get(source_digest(kernel.source)) not in files
+    ]
 
 
 def _check_binaries(payload: object, pinned: object) -> dict[str, Any]:

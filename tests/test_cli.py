@@ -535,6 +535,24 @@ def test_verify_checks_the_kernel_binaries_digests(
     result, out, err = _cli(capsys, "verify", step, str(tmp_path / "here.cache"))
     assert result == 0, err
     assert "they run here (same torch, Python, architecture and CPU capability)" in out
+    # KERNEL_SOURCES gives the artifact's one kernel no binary: it compiles at load.
+    assert (
+        "kernels          1 without a binary in the cache, compiled at load: "
+        "cpp_fused_relu_0" in out
+    )
+    # The same pair, the kernel's binary named by KERNEL_SOURCES.
+    (kernel,) = find_kernels(ast.parse(code).body)
+    sourced = code.replace(
+        "KERNEL_SOURCES: dict[str, str] = {}",
+        f"KERNEL_SOURCES: dict[str, str] = "
+        f"{{{hashlib.sha256(kernel.source.encode()).hexdigest()!r}: {name!r}}}",
+    )
+    sourced_step, sourced_cache = _pair(
+        tmp_path, "sourced", sourced, build_cache(sourced, "inductor", here)
+    )
+    result, out, err = _cli(capsys, "verify", sourced_step, sourced_cache)
+    assert result == 0, err
+    assert "kernels          each has its binary in the cache" in out
     result, out, err = _cli(capsys, "verify", step, str(tmp_path / "bare.cache"))
     assert result == 0, err
     assert "kernel binaries  none: load compiles the kernels from source" in out
