@@ -45,12 +45,7 @@ def verify_pair(
         "kernel_binaries": None,
     }
     if backend == "inductor" and payload is not None:
-        report["kernel_binaries"] = _check_binaries(
-            payload, metadata["KERNEL_BINARIES"]
-        )
-        report["kernel_binaries"]["without_binary"] = _kernels_without_binary(
-            python_code, metadata["KERNEL_SOURCES"], payload
-        )
+        report["kernel_binaries"] = _check_binaries(python_code, metadata, payload)
     return report
 
 
@@ -103,12 +98,10 @@ def _signature_state(envelope: dict[str, Any], key: bytes | None) -> str:
 
 
 def _kernels_without_binary(
-    python_code: str, sources: object, payload: dict[str, object]
+    python_code: str, sources: object, files: dict[str, bytes]
 ) -> list[str]:
     """The C++ kernels of the artifact that the cache brings no binary for (by
     KERNEL_SOURCES): load compiles those."""
-    files = payload["files"]
-    assert isinstance(files, dict)
     binaries = sources if isinstance(sources, dict) else {}
     return [
         kernel.name
@@ -118,7 +111,9 @@ def _kernels_without_binary(
     ]
 
 
-def _check_binaries(payload: object, pinned: object) -> dict[str, Any]:
+def _check_binaries(
+    python_code: str, metadata: dict[str, object], payload: object
+) -> dict[str, Any]:
     damage = kernel_binaries.damaged(payload)
     if damage is not None:
         raise PrecompileError(
@@ -126,7 +121,7 @@ def _check_binaries(payload: object, pinned: object) -> dict[str, Any]:
             "damaged or made by another tool. Write the pair again with precompile()."
         )
     assert isinstance(payload, dict)
-    foreign = kernel_binaries.unpinned(payload, pinned)
+    foreign = kernel_binaries.unpinned(payload, metadata["KERNEL_BINARIES"])
     if foreign is not None:
         raise PrecompileError(
             f"the cache's kernel binaries are not the ones the artifact names: "
@@ -139,4 +134,7 @@ def _check_binaries(payload: object, pinned: object) -> dict[str, Any]:
         "files": len(files),
         "bytes": sum(len(data) for data in files.values()),
         "differs_from_here": kernel_binaries.differing_build(payload, here),
+        "without_binary": _kernels_without_binary(
+            python_code, metadata["KERNEL_SOURCES"], files
+        ),
     }
