@@ -197,10 +197,7 @@ def test_another_environment_at_other_install_paths_compiles_nothing(
 
 
 def test_a_kernel_without_a_binary_compiles_alone(
-    pair: Pair,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # A cache that lacks one kernel's binary: that kernel compiles from its source
     # in the artifact, the others are imported from theirs.
