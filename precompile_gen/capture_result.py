@@ -73,7 +73,10 @@ METADATA_NAMES: tuple[str, ...] = (
     "ALIASED_INPUTS",
     "KERNEL_BINARIES",
     "KERNEL_SOURCES",
+    "OPTIMIZERS",
 )
+# Emitted only by captures that have them; an artifact without one has none.
+OPTIONAL_METADATA: dict[str, object] = {"OPTIMIZERS": []}
 
 
 class ModuleArgument(NamedTuple):
@@ -84,6 +87,46 @@ class ModuleArgument(NamedTuple):
     # the trace took the branches of that mode (batch statistics or running ones,
     # dropout or none), so the driver holds the runtime model to it.
     training: list[bool]
+
+
+class OptimizerStateTensor(NamedTuple):
+    """One tensor of an optimizer's per-parameter state (``exp_avg``, ``step``, ...),
+    a graph input the captured step updates in place."""
+
+    # Index into the params of the parameter it belongs to.
+    param: int
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+
+class ParamGroup(NamedTuple):
+    """One of an optimizer's ``param_groups`` as the trace saw it."""
+
+    # Indices into the params of the group's parameters, in the group's order.
+    params: list[int]
+    # The group's values the trace built into the graph (betas, eps, momentum,
+    # flags...): every key of the optimizer's defaults but ``lr``.
+    options: dict[str, object]
+    # The dtype and device of the 0-dim tensor that carries the group's ``lr`` into
+    # the graph at each call, so that a learning-rate schedule needs no recapture.
+    lr: tuple[str, str]
+
+
+class OptimizerArgument(NamedTuple):
+    """A ``torch.optim`` optimizer argument of the traced function."""
+
+    position: int
+    # Its class, by its name in ``torch.optim``.
+    name: str
+    groups: list[ParamGroup]
+    # Whether the function calls its ``step()`` (rather than only ``zero_grad()``).
+    steps: bool
+    # The state tensors the step reads and updates, graph inputs after the input
+    # leaves, in this order; a parameter's are created as its first step would
+    # create them when the runtime optimizer has none yet.
+    state: list[OptimizerStateTensor]
 
 
 class StateTensor(NamedTuple):
@@ -161,6 +204,7 @@ class CaptureResult:
     fn_name: str
     num_positional_args: int
     modules: list[ModuleArgument]
+    optimizers: list[OptimizerArgument]
     # Graph inputs first: the modules' parameters, then their buffers.
     params: list[StateTensor]
     buffers: list[StateTensor]
@@ -229,4 +273,17 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "ALIASED_INPUTS": cap.aliased_inputs,
         "KERNEL_BINARIES": cap.kernel_binaries,
         "KERNEL_SOURCES": cap.kernel_sources,
+        "OPTIMIZERS": [
+            {
+                "position": optimizer.position,
+                "class": optimizer.name,
+                "steps": optimizer.steps,
+                "groups": [
+                    {"params": g.params, "options": g.options, "lr": g.lr}
+                    for g in optimizer.groups
+                ],
+                "state": [tuple(t) for t in optimizer.state],
+            }
+            for optimizer in cap.optimizers
+        ],
     }

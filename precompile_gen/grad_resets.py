@@ -9,8 +9,9 @@ module arguments' parameters (never to the example model's own), and which
 parameters it reset, and how, is recorded; the artifact's driver resets the runtime
 model's gradients the same way before adding the harvested ones.
 
-An optimizer's ``step()`` is refused: it updates the parameters with Python code
-outside the graph, through an object that is not an argument of the artifact.
+An optimizer's ``step()`` is captured only for an optimizer argument of a supported
+class (``optimizers``); any other is refused, since it would update the parameters
+with Python code outside the graph.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from precompile_gen import convention
+from precompile_gen import convention, optimizers
 from precompile_gen.errors import PrecompileError
 
 # parameter index (into PARAM_NAMES) -> whether its .grad ends up None (True) or
@@ -33,12 +34,18 @@ Resets = dict[int, bool]
 
 @contextlib.contextmanager
 def recording(
-    originals: list[torch.Tensor], copies: list[torch.Tensor], resets: Resets
+    originals: list[torch.Tensor],
+    copies: list[torch.Tensor],
+    resets: Resets,
+    stepping: list[torch.optim.Optimizer],
+    stepped: set[int],
 ) -> Generator[None]:
     """While the current thread traces ``fn``: route ``Module.zero_grad`` and
     ``Optimizer.zero_grad`` to the trace's ``copies`` of the module arguments'
     parameters (``originals``, index-aligned), recording each reset in ``resets``;
-    refuse ``Optimizer.step``. Other threads' calls are left alone."""
+    let the optimizer arguments in ``stepping`` step (recording their ids in
+    ``stepped``) and refuse any other ``Optimizer.step``. Other threads' calls are
+    left alone."""
     tracing_thread = threading.get_ident()
     index_of = {id(t): i for i, t in enumerate(originals)}
     index_of.update({id(t): i for i, t in enumerate(copies)})
@@ -71,12 +78,23 @@ def recording(
     def refuse_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
         if threading.get_ident() != tracing_thread:
             return
+        if any(optimizer is lifted for lifted in stepping):
+            stepped.add(id(optimizer))
+            return
+        name = type(optimizer).__name__
+        if type(optimizer) in optimizers.SUPPORTED:
+            problem = "which is not an argument of the function"
+            fix = "Pass the optimizer to the function as an argument"
+        else:
+            problem = (
+                "whose step the artifact cannot capture (it captures those of "
+                f"{', '.join(cls.__name__ for cls in optimizers.SUPPORTED)})"
+            )
+            fix = "Use one of those"
         raise PrecompileError(
-            f"the function calls step() on the optimizer {type(optimizer).__name__}, "
-            "which updates the parameters outside the captured graph, through an "
-            "object the artifact does not take as an argument. Call the optimizer "
-            "after the precompiled step: loss = step(model, *inputs); "
-            "optimizer.step()."
+            f"the function calls step() on the optimizer {name}, {problem}. {fix}, "
+            "or call the optimizer after the precompiled function: "
+            "loss = step(model, *inputs); optimizer.step()."
         )
 
     with contextlib.ExitStack() as stack:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from precompile_gen import kernel_binaries
 from precompile_gen.cache import check_key, code_hash, read_cache
-from precompile_gen.capture_result import BACKENDS, METADATA_NAMES
+from precompile_gen.capture_result import BACKENDS, METADATA_NAMES, OPTIONAL_METADATA
 from precompile_gen.errors import PrecompileError
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ def metadata_of(module: ast.Module) -> dict[str, object]:
                 "plain literal, so it cannot be read without executing python_code. "
                 "Pass the python_code returned by precompile()."
             ) from error
+    for name, default in OPTIONAL_METADATA.items():
+        found.setdefault(name, default)
     missing = [name for name in METADATA_NAMES if name not in found]
     if missing:
         raise PrecompileError(

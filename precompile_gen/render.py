@@ -231,6 +231,8 @@ class DriverFeatures:
     leaf_layouts: bool
     gradients: bool
     grad_resets: bool
+    # Optimizer arguments whose state and lr the graph takes.
+    optimizers: bool
 
     @property
     def layouts(self) -> bool:
@@ -239,13 +241,22 @@ class DriverFeatures:
 
 def driver_features(cap: CaptureResult) -> DriverFeatures:
     positions = {module.position for module in cap.modules}
-    user_positions = [i for i in range(cap.num_positional_args) if i not in positions]
+    optimizer_positions = {optimizer.position for optimizer in cap.optimizers}
+    user_positions = [
+        i
+        for i in range(cap.num_positional_args)
+        if i not in positions and i not in optimizer_positions
+    ]
     leaves = cap.leaves
     inductor = cap.backend == "inductor"
     return DriverFeatures(
         user_positions=user_positions,
         signature=", ".join(
-            "module" if i in positions else "input"
+            "module"
+            if i in positions
+            else "optimizer"
+            if i in optimizer_positions
+            else "input"
             for i in range(cap.num_positional_args)
         ),
         several_modules=len(cap.modules) > 1,
@@ -261,6 +272,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         leaf_layouts=inductor and any(leaf.stride is not None for leaf in leaves),
         gradients=bool(cap.grad_param_indices),
         grad_resets=bool(cap.grad_resets),
+        optimizers=bool(cap.optimizers),
     )
 
 

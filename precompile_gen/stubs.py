@@ -20,6 +20,9 @@ from precompile_gen.capture_result import (
     CompiledGraph,
     InputLeaf,
     ModuleArgument,
+    OptimizerArgument,
+    OptimizerStateTensor,
+    ParamGroup,
     StateTensor,
     TensorLiteral,
 )
@@ -97,6 +100,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         fn_name="train_step",
         num_positional_args=2,
         modules=[ModuleArgument(position=0, training=[True])],
+        optimizers=[],
         params=[
             StateTensor("weight", (4, 4), (4, 1), "torch.float32", "cpu", True),
         ],
@@ -137,13 +141,27 @@ def stub_capture(backend: Backend) -> CaptureResult:
 
 def all_features_capture(backend: Backend) -> CaptureResult:
     """``stub_capture`` with every driver feature on (``render.DriverFeatures``):
-    two module arguments, a nested input (an input leaf in a fixed layout and a
-    scalar besides) too."""
+    two module arguments, an optimizer, a nested input (an input leaf in a fixed
+    layout and a scalar besides) too."""
     stub = stub_capture(backend)
     return dataclasses.replace(
         stub,
-        num_positional_args=4,
+        num_positional_args=5,
         modules=[*stub.modules, ModuleArgument(position=2, training=[False])],
+        optimizers=[
+            OptimizerArgument(
+                position=4,
+                name="Adam",
+                groups=[
+                    ParamGroup([0], {"betas": (0.9, 0.999)}, ("torch.float32", "cpu"))
+                ],
+                steps=True,
+                state=[
+                    OptimizerStateTensor(0, "step", (), "torch.float32", "cpu"),
+                    OptimizerStateTensor(0, "exp_avg", (4, 4), "torch.float32", "cpu"),
+                ],
+            )
+        ],
         params=[stub.params[0]._replace(name="m0.weight")],
         buffers=[stub.buffers[0]._replace(name="m0.running_mean")],
         leaves=[

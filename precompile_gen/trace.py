@@ -28,6 +28,7 @@ from precompile_gen import (
     convention,
     dynamic_dims,
     grad_resets,
+    optimizers,
 )
 from precompile_gen.capture_result import (
     AliasGroup,
@@ -35,6 +36,7 @@ from precompile_gen.capture_result import (
     InputLeaf,
     LeafValue,
     ModuleArgument,
+    OptimizerArgument,
     Shape,
     check_backend,
 )
@@ -93,12 +95,14 @@ class TracedGraph:
     fn_name: str
     num_positional_args: int
     modules: list[ModuleArgument]
+    optimizers: list[OptimizerArgument]
     state: ModuleState
     aliased_inputs: list[AliasGroup]
     # Positions of the graph inputs fn updated in place.
     mutated_inputs: list[int]
     # The tensors fn created from Python data (torch.tensor(...)), by the name of the
-    # graph input each became; they follow the user-input leaves in ``flat_args``.
+    # graph input each became; they are the last inputs in ``flat_args``, after the
+    # user-input leaves and the optimizers' state and lr tensors.
     constants: list[tuple[str, torch.Tensor]]
     grad_param_indices: list[int]
     grad_resets: list[tuple[int, bool]]
@@ -136,16 +140,28 @@ def trace(
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
     modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
+    optimizer_positions = [
+        i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
+    ]
+    lifted_positions = [*module_positions, *optimizer_positions]
     # Read before tracing: fn may switch modes itself, and the driver checks the
     # modes a call arrives with.
     submodules = [list(module.named_modules()) for module in modules]
     module_training = [[m.training for _, m in named] for named in submodules]
     state = lift_module_state(modules)
+    lifted_optimizers = [
+        optimizers.lift(
+            cast(torch.optim.Optimizer, example_inputs[position]),
+            position,
+            state.tensors[: state.num_params],
+        )
+        for position in optimizer_positions
+    ]
     user_inputs = tuple(
-        a for i, a in enumerate(example_inputs) if i not in module_positions
+        a for i, a in enumerate(example_inputs) if i not in lifted_positions
     )
     user_leaves, in_spec = pytree.tree_flatten(user_inputs)
-    leaf_names = _leaf_names(example_inputs, module_positions, user_inputs)
+    leaf_names = _leaf_names(example_inputs, lifted_positions, user_inputs)
     _reject_nested_modules(user_leaves, leaf_names)
     marks = dynamic_dims.read_dim_marks(user_leaves, leaf_names, backend)
     symbolic = (
@@ -155,8 +171,20 @@ def trace(
     )
     num_state, num_params = len(state.tensors), state.num_params
     aliased_inputs = aliasing.alias_groups([*state.tensors, *user_leaves])
+    # The optimizers' state and lr tensors follow the input leaves.
+    optimizer_state = [t for entry in lifted_optimizers for t in entry.state]
+    lrs = optimizers.lr_tensors(lifted_optimizers)
+    state_start = num_state + len(user_leaves)
+    lr_start = state_start + len(optimizer_state)
     if symbolic is None:
         flat_args = aliasing.copies_for_trace([*state.tensors, *user_leaves])
+        flat_args += [*optimizer_state, *lrs]
+    elif lifted_optimizers:
+        raise PrecompileError(
+            "an optimizer argument cannot be captured together with mark_unbacked "
+            "dims. Leave the dims static, or call the optimizer after the "
+            "precompiled function."
+        )
     else:
         _reject_symbolic_aliasing(
             aliased_inputs, [*state.tensors, *user_leaves], [{}] * num_state + marks
@@ -164,26 +192,38 @@ def trace(
         flat_args = symbolic.flat_args
     harvest: dict[str, Any] = {}
     resets: grad_resets.Resets = {}
+    # The optimizer arguments whose step() fn called, by id.
+    stepped: set[int] = set()
     # What fn itself raised while traced: it reaches the caller unwrapped.
     raised_by_fn: list[Exception] = []
 
     def flat_fn(flat: list[Any]) -> list[object]:
-        inputs = pytree.tree_unflatten(flat[num_state:], in_spec)
+        inputs = pytree.tree_unflatten(flat[num_state:state_start], in_spec)
         with (
             _modes_restored(submodules, module_training),
             _reparametrized(modules, state, flat[:num_state]),
+            optimizers.stepping_copies(
+                lifted_optimizers,
+                flat[:num_params],
+                flat[state_start:lr_start],
+                flat[lr_start:],
+            ),
             grad_resets.recording(
-                state.tensors[:num_params], flat[:num_params], resets
+                state.tensors[:num_params],
+                flat[:num_params],
+                resets,
+                [entry.optimizer for entry in lifted_optimizers],
+                stepped,
             ),
         ):
-            args = _interleave(example_inputs, module_positions, inputs)
+            args = _interleave(example_inputs, lifted_positions, inputs)
             try:
                 result = fn(*args)
             except Exception as error:
                 raised_by_fn.append(error)
                 raise
         grads = [p.grad for p in flat[:num_params]]
-        _reject_stray_grads(state, flat, leaf_names)
+        _reject_stray_grads(state, flat[:state_start], leaf_names)
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
         _reject_opaque_results(result, result_leaves, fn_name)
         harvest["grad_param_indices"] = [
@@ -234,12 +274,21 @@ def trace(
         for position, (arg, before) in enumerate(zip(flat_args, versions, strict=True))
         if _version(arg) != before
     ]
+    optimizer_arguments = _finish_optimizers(
+        gm,
+        flat_args,
+        state_start,
+        lifted_optimizers,
+        stepped,
+        harvest["grad_param_indices"],
+    )
     constants = _lift_constants(gm, fn, modules, module_positions)
     if symbolic is None:
         flat_args += [tensor for _, tensor in constants]
     else:
         flat_args += [symbolic.fake_mode.from_tensor(t) for _, t in constants]
     _reject_control_flow(gm)
+    _drop_profiler_ranges(gm)
     _reject_effectful_ops(gm)
     return TracedGraph(
         gm=gm,
@@ -252,6 +301,7 @@ def trace(
                 module_positions, module_training, strict=True
             )
         ],
+        optimizers=optimizer_arguments,
         state=state,
         aliased_inputs=aliased_inputs,
         mutated_inputs=mutated_inputs,
@@ -349,26 +399,27 @@ def _modes_restored(
 
 def _interleave(
     example_inputs: tuple[object, ...],
-    module_positions: list[int],
+    lifted_positions: list[int],
     user_inputs: tuple[object, ...],
 ) -> list[object]:
-    """fn's positional arguments: the modules in place, the user inputs around them."""
+    """fn's positional arguments: the modules and optimizers in place, the user
+    inputs around them."""
     remaining = iter(user_inputs)
     return [
-        a if i in module_positions else next(remaining)
+        a if i in lifted_positions else next(remaining)
         for i, a in enumerate(example_inputs)
     ]
 
 
 def _leaf_names(
     example_inputs: tuple[object, ...],
-    module_positions: list[int],
+    lifted_positions: list[int],
     user_inputs: tuple[object, ...],
 ) -> list[str]:
     """Each user-input leaf named by where it sits in the call, as the artifact's
     driver names it (e.g. "argument 1['x']")."""
     user_positions = [
-        i for i in range(len(example_inputs)) if i not in module_positions
+        i for i in range(len(example_inputs)) if i not in lifted_positions
     ]
     return convention.leaf_names(user_positions, user_inputs)
 
@@ -637,6 +688,88 @@ def _reject_control_flow(gm: torch.fx.GraphModule) -> None:
             "and select with torch.where, or branch in Python (the trace then follows "
             "the example's path)."
         )
+
+
+def _finish_optimizers(
+    gm: torch.fx.GraphModule,
+    flat_args: list[object],
+    state_start: int,
+    lifted: list[optimizers.LiftedOptimizer],
+    stepped: set[int],
+    grad_param_indices: list[int],
+) -> list[OptimizerArgument]:
+    """The optimizer arguments as the trace used them: a state tensor the step never
+    read (its parameter got no gradient, or fn did not step) is no graph input, and
+    a stepping optimizer must have read each group's ``lr`` from its tensor."""
+    if not lifted:
+        return []
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    position = state_start
+    unused: list[int] = []
+    arguments = []
+    for entry in lifted:
+        kept = []
+        for spec in entry.argument.state:
+            if placeholders[position].users:
+                kept.append(spec)
+            else:
+                unused.append(position)
+            position += 1
+        arguments.append(
+            entry.argument._replace(steps=id(entry.optimizer) in stepped, state=kept)
+        )
+    for argument in arguments:
+        for number, group in enumerate(argument.groups):
+            updated = any(index in grad_param_indices for index in group.params)
+            if argument.steps and updated and not placeholders[position].users:
+                raise PrecompileError(
+                    f"the step of the optimizer {argument.name} at argument "
+                    f"{argument.position} did not read param group {number}'s lr "
+                    "from the tensor the artifact passes, so the graph would keep "
+                    "the example's learning rate. This configuration of the "
+                    "optimizer is not supported inside the artifact; call it after "
+                    "the precompiled function."
+                )
+            position += 1
+    _drop_inputs(gm, unused)
+    for index in reversed(unused):
+        del flat_args[index]
+    return arguments
+
+
+def _drop_inputs(gm: torch.fx.GraphModule, positions: list[int]) -> None:
+    """Remove the unused graph inputs at ``positions``."""
+    if not positions:
+        return
+    graph = gm.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for position in positions:
+        graph.erase_node(placeholders[position])
+    codegen = cast(Any, graph._codegen)
+    info = codegen.pytree_info
+    flat = [0] * (len(placeholders) - len(positions))
+    codegen.pytree_info = info._replace(in_spec=pytree.tree_structure((flat,)))
+    gm.recompile()
+
+
+# The ranges torch.profiler records around an optimizer's step: markers for a
+# profiler, which an artifact's graph has no use for.
+_PROFILER_OPS = (
+    torch.ops.profiler._record_function_exit._RecordFunction,
+    torch.ops.profiler._record_function_enter_new.default,
+)
+
+
+def _drop_profiler_ranges(gm: torch.fx.GraphModule) -> None:
+    graph = gm.graph
+    dropped = False
+    for target in _PROFILER_OPS:
+        for node in list(graph.find_nodes(op="call_function", target=target)):
+            if not node.users:
+                graph.erase_node(node)
+                dropped = True
+    if dropped:
+        gm.recompile()
 
 
 def _reject_effectful_ops(gm: torch.fx.GraphModule) -> None:

@@ -104,6 +104,7 @@ def inductor_inference() -> pg.CaptureResult:
         num_positional_args=2,
         # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
         modules=[ModuleArgument(position=0, training=[True] * 4)],
+        optimizers=[],
         params=[
             StateTensor(name, shape, stride, "torch.float32", "cpu", True)
             for name, shape, stride in weights

@@ -1,0 +1,300 @@
+"""Optimizer arguments: an optimizer's ``step()`` inside the traced function.
+
+An ``SGD``, ``Adam`` or ``AdamW`` passed as an argument is lifted like a module: its
+per-parameter state tensors become graph inputs, after the input leaves, and one
+0-dim ``lr`` tensor per param group follows them, so that a learning-rate schedule
+keeps working without a recapture. While ``fn`` is traced the optimizer steps the
+trace's copies of the parameters and of its state, never the example's own.
+
+The step is traced as torch's ``capturable`` formulation, which keeps the step count
+and the bias corrections in tensors: the default one reads the step count with
+``.item()``, which a trace would freeze into a constant. Both compute the same update
+up to floating-point rounding.
+
+Any other optimizer stays an opaque argument: ``zero_grad()`` on it is replayed, as
+for every optimizer, and ``step()`` on it is refused (``grad_resets``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from precompile_gen.capture_result import (
+    OptimizerArgument,
+    OptimizerStateTensor,
+    ParamGroup,
+)
+from precompile_gen.errors import PrecompileError
+
+SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+)
+# Group values that change nothing in the update the graph computes: ``lr`` is an
+# input of each call, and the capturable formulation is traced whatever the flag.
+_UNCHECKED_OPTIONS = ("lr", "capturable")
+
+
+@dataclass
+class LiftedOptimizer:
+    """An optimizer argument as the trace uses it (still holding torch objects)."""
+
+    optimizer: torch.optim.Optimizer
+    argument: OptimizerArgument
+    # The tensors the trace starts from, aligned with ``argument.state``: copies of
+    # the example optimizer's state, or zeros where it has none yet.
+    state: list[torch.Tensor]
+
+
+def is_supported(value: object) -> bool:
+    return type(value) in SUPPORTED
+
+
+def lift(
+    optimizer: torch.optim.Optimizer, position: int, params: list[torch.Tensor]
+) -> LiftedOptimizer:
+    """The optimizer at ``position``, whose parameters must be among the module
+    arguments' ``params`` (the lifted parameters, in PARAM_NAMES order)."""
+    name = type(optimizer).__name__
+    index_of = {id(param): index for index, param in enumerate(params)}
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        raise PrecompileError(
+            f"the optimizer {name} at argument {position} has step hooks "
+            "(register_step_pre_hook / register_step_post_hook), Python code that "
+            "the captured step would run only once, at capture. Remove the hooks, "
+            "or call the optimizer after the precompiled function."
+        )
+    groups = []
+    for number, group in enumerate(optimizer.param_groups):
+        indices = []
+        for param in group["params"]:
+            index = index_of.get(id(param))
+            if index is None:
+                raise PrecompileError(
+                    f"param group {number} of the optimizer {name} at argument "
+                    f"{position} holds a tensor of shape {tuple(param.shape)} that is "
+                    "not a parameter of a module argument, so the artifact could not "
+                    "pass it to the graph. Build the optimizer from the parameters "
+                    "of the modules passed to the function."
+                )
+            indices.append(index)
+        groups.append(
+            ParamGroup(
+                indices, _options(optimizer, group, number), _lr(group, params, indices)
+            )
+        )
+    state: list[OptimizerStateTensor] = []
+    tensors: list[torch.Tensor] = []
+    for group, lifted in zip(optimizer.param_groups, groups, strict=True):
+        for index in lifted.params:
+            param = params[index]
+            if not param.requires_grad:
+                continue  # never gets a gradient, so never a step or a state
+            for key, tensor in _first_state(optimizer, group, param, position).items():
+                state.append(
+                    OptimizerStateTensor(
+                        index,
+                        key,
+                        tuple(tensor.shape),
+                        str(tensor.dtype),
+                        str(tensor.device),
+                    )
+                )
+                tensors.append(tensor)
+    return LiftedOptimizer(
+        optimizer,
+        OptimizerArgument(position, name, groups, steps=False, state=state),
+        tensors,
+    )
+
+
+def _options(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], number: int
+) -> dict[str, object]:
+    name = type(optimizer).__name__
+    options = {}
+    for key in optimizer.defaults:
+        if key in _UNCHECKED_OPTIONS:
+            continue
+        value = group.get(key)
+        if isinstance(value, tuple):
+            value = tuple(_plain(name, number, key, v) for v in value)
+        else:
+            value = _plain(name, number, key, value)
+        options[key] = value
+    if options.get("fused"):
+        raise PrecompileError(
+            f"param group {number} of the optimizer {name} has fused=True, whose "
+            "fused kernel the artifact cannot capture. Build the optimizer without "
+            "fused=True (the inductor backend fuses the update with the rest of "
+            "the step)."
+        )
+    if options.get("differentiable"):
+        raise PrecompileError(
+            f"param group {number} of the optimizer {name} has differentiable=True; "
+            "an artifact's step is not differentiated through. Build the optimizer "
+            "without it."
+        )
+    return options
+
+
+def _plain(name: str, number: int, key: str, value: object) -> object:
+    # The value is built into the graph and compared at every call: it must be a
+    # literal the artifact can write down and compare.
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    raise PrecompileError(
+        f"param group {number} of the optimizer {name} has {key}={value!r} (a "
+        f"{type(value).__name__}), which the trace would build into the graph as a "
+        "constant the artifact cannot check. Pass a Python number."
+    )
+
+
+def _lr(
+    group: dict[str, Any], params: list[torch.Tensor], indices: list[int]
+) -> tuple[str, str]:
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise PrecompileError(
+            f"an optimizer's lr is a tensor of shape {tuple(lr.shape)}; it must be a "
+            "number or a one-element tensor."
+        )
+    # The step computes with lr in the dtype of the step count (torch's scalar dtype).
+    dtype = (
+        torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    )
+    device = params[indices[0]].device if indices else torch.device("cpu")
+    return str(dtype), str(device)
+
+
+def _first_state(
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    param: torch.Tensor,
+    position: int,
+) -> dict[str, torch.Tensor]:
+    """Copies of ``param``'s state, or what the optimizer's first step creates for it
+    (zeros, which the first update treats as eager's fresh state)."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD):
+        fresh = (
+            {
+                "momentum_buffer": torch.zeros_like(
+                    param, memory_format=torch.preserve_format
+                )
+            }
+            if group["momentum"] != 0
+            else {}
+        )
+    else:
+        fresh = {
+            "step": torch.zeros((), dtype=_scalar_dtype(), device=param.device),
+            "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+        }
+        if group["amsgrad"]:
+            fresh["max_exp_avg_sq"] = torch.zeros_like(
+                param, memory_format=torch.preserve_format
+            )
+    existing = optimizer.state.get(param)
+    if not existing:
+        return fresh
+    if list(existing) != list(fresh) or not all(
+        isinstance(value, torch.Tensor) for value in existing.values()
+    ):
+        raise PrecompileError(
+            f"the optimizer {name} at argument {position} holds state "
+            f"{sorted(existing)} for a parameter of shape {tuple(param.shape)}, where "
+            f"its step keeps the tensors {list(fresh)}. Capture with an optimizer "
+            f"whose state {name} itself created (or a fresh one)."
+        )
+    return {key: value.detach().clone() for key, value in existing.items()}
+
+
+def _scalar_dtype() -> torch.dtype:
+    return (
+        torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    )
+
+
+@contextlib.contextmanager
+def stepping_copies(
+    lifted: list[LiftedOptimizer],
+    param_copies: list[torch.Tensor],
+    state_copies: list[torch.Tensor],
+    lrs: list[torch.Tensor],
+) -> Generator[None]:
+    """While ``fn`` is traced: each optimizer holds the trace's copies of its
+    parameters (``param_copies``, in PARAM_NAMES order), of its state
+    (``state_copies``, all optimizers' in order) and its groups' ``lr`` tensors
+    (``lrs``); it steps with the capturable formulation. Everything is put back."""
+    state_iter = iter(state_copies)
+    lr_iter = iter(lrs)
+    saved = []
+    for entry in lifted:
+        optimizer = entry.optimizer
+        saved.append(
+            (
+                optimizer.state,
+                [dict(group) for group in optimizer.param_groups],
+                vars(optimizer).get("_opt_called"),
+            )
+        )
+        traced_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for spec in entry.argument.state:
+            traced_state[param_copies[spec.param]][spec.key] = next(state_iter)
+        optimizer.state = traced_state
+        for group, spec in zip(
+            optimizer.param_groups, entry.argument.groups, strict=True
+        ):
+            group["params"] = [param_copies[index] for index in spec.params]
+            group["lr"] = next(lr_iter)
+            group["capturable"] = True
+    try:
+        yield
+    finally:
+        for entry, (state, groups, opt_called) in zip(lifted, saved, strict=True):
+            optimizer = entry.optimizer
+            optimizer.state = state
+            for group, original in zip(optimizer.param_groups, groups, strict=True):
+                group.clear()
+                group.update(original)
+            # A learning-rate scheduler's wrapper of step() marks the optimizer as
+            # stepped; the trace's step was no step of the example's.
+            if opt_called is None:
+                vars(optimizer).pop("_opt_called", None)
+            else:
+                cast(Any, optimizer)._opt_called = opt_called
+
+
+def lr_tensors(lifted: list[LiftedOptimizer]) -> list[torch.Tensor]:
+    """The example's ``lr`` of each group of each optimizer, as the trace's input.
+
+    It requires grad so that SGD takes its tensor-``lr`` path (``addcmul_``) rather
+    than ``add_(alpha=lr)``, which would read the value with ``.item()``; the step
+    runs without grad, so nothing is recorded for it."""
+    tensors = []
+    for entry in lifted:
+        for group, spec in zip(
+            entry.optimizer.param_groups, entry.argument.groups, strict=True
+        ):
+            dtype, device = spec.lr
+            value = group["lr"]
+            if isinstance(value, torch.Tensor):
+                value = value.detach().reshape(()).item()
+            tensors.append(
+                torch.tensor(
+                    float(value),
+                    dtype=getattr(torch, dtype.removeprefix("torch.")),
+                    device=device,
+                    requires_grad=True,
+                )
+            )
+    return tensors
