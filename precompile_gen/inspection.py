@@ -107,10 +107,13 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
         "artifact": path,
         "fn_name": fn_name,
         "backend": metadata["BACKEND"],
-        "signature": _signature(fn_name, num_args, module_positions),
+        "signature": _signature(
+            fn_name, num_args, module_positions, _optimizer_classes(metadata)
+        ),
         "num_positional_args": num_args,
         "module_positions": module_positions,
         "modules": _modules(metadata),
+        "optimizers": _optimizers(metadata),
         "module_state": _module_state(metadata),
         "user_inputs": user_inputs,
         "aliased_inputs": _aliased_inputs(
@@ -173,6 +176,33 @@ def format_report(report: dict[str, Any]) -> str:
         )
     )
     out.append("")
+    if report["optimizers"]:
+        out.append("optimizers (each call passes every group's lr; the rest is fixed)")
+        out.extend(
+            _table(
+                ["argument", "class", "group", "parameters", "state", "options"],
+                [
+                    [
+                        str(o["position"]) if number == 0 else "",
+                        o["class"] if number == 0 else "",
+                        str(number),
+                        _count(len(group["params"]), "parameter"),
+                        (
+                            f"{o['state_tensors']} tensors: "
+                            + ", ".join(o["state_keys"] or ["none"])
+                            if o["steps"]
+                            else "zero_grad() only"
+                        )
+                        if number == 0
+                        else "",
+                        ", ".join(f"{k}={v!r}" for k, v in group["options"].items()),
+                    ]
+                    for o in report["optimizers"]
+                    for number, group in enumerate(o["groups"])
+                ],
+            )
+        )
+        out.append("")
     out.append("parameters and buffers")
     state = report["module_state"]
     extra = _extra_keys(state, {"name", "kind", "shape", "stride", "dtype", "device"})
@@ -328,12 +358,52 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _signature(fn_name: str, num_args: int, module_positions: list[int]) -> str:
+def _signature(
+    fn_name: str,
+    num_args: int,
+    module_positions: list[int],
+    optimizer_classes: dict[int, str],
+) -> str:
     args = [
-        f"arg{i}: nn.Module" if i in module_positions else f"arg{i}"
+        f"arg{i}: nn.Module"
+        if i in module_positions
+        else f"arg{i}: optim.{optimizer_classes[i]}"
+        if i in optimizer_classes
+        else f"arg{i}"
         for i in range(num_args)
     ]
     return f"{fn_name}({', '.join(args)})"
+
+
+def _optimizer_classes(metadata: dict[str, object]) -> dict[int, str]:
+    optimizers = cast(list[dict[str, Any]], metadata["OPTIMIZERS"])
+    return {o["position"]: o["class"] for o in optimizers}
+
+
+def _optimizers(metadata: dict[str, object]) -> list[dict[str, object]]:
+    names = cast(list[str], metadata["PARAM_NAMES"])
+    report: list[dict[str, object]] = []
+    for optimizer in cast(list[dict[str, Any]], metadata["OPTIMIZERS"]):
+        keys: dict[str, None] = {}
+        for _, key, *_ in optimizer["state"]:
+            keys[key] = None
+        report.append(
+            {
+                "position": optimizer["position"],
+                "class": optimizer["class"],
+                "steps": optimizer["steps"],
+                "groups": [
+                    {
+                        "params": [names[i] for i in group["params"]],
+                        "options": group["options"],
+                    }
+                    for group in optimizer["groups"]
+                ],
+                "state_keys": list(keys),
+                "state_tensors": len(optimizer["state"]),
+            }
+        )
+    return report
 
 
 def _modules(metadata: dict[str, object]) -> list[dict[str, object]]:
@@ -440,10 +510,12 @@ def _user_inputs(metadata: dict[str, object]) -> dict[str, object]:
     )
     strides = cast(list[tuple[int, ...] | None], metadata["USER_INPUT_STRIDES"])
     symbols = cast(list[dict[int, str] | None], metadata["USER_INPUT_SYMBOLS"])
+    lifted = [
+        *cast(list[int], metadata["MODULE_POSITIONS"]),
+        *_optimizer_classes(metadata),
+    ]
     positions = [
-        i
-        for i in range(cast(int, metadata["NUM_POSITIONAL_ARGS"]))
-        if i not in cast(list[int], metadata["MODULE_POSITIONS"])
+        i for i in range(cast(int, metadata["NUM_POSITIONAL_ARGS"])) if i not in lifted
     ]
     names, structure = _leaf_names(
         cast(str | None, metadata["IN_SPEC"]), positions, len(shapes)

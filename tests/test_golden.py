@@ -157,6 +157,31 @@ def eager_grad_resets() -> pg.CaptureResult:
     )
 
 
+def sgd_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    target: torch.Tensor,
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = train_step(model, x, target)
+    optimizer.step()
+    return loss
+
+
+def eager_optimizer_step() -> pg.CaptureResult:
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return pg.capture(
+        sgd_step,
+        model,
+        optimizer,
+        torch.randn(3, 4),
+        torch.randn(3, 2),
+        backend="eager",
+    )
+
+
 def scaled(model: nn.Module, x: torch.Tensor, scale: float, act: str) -> torch.Tensor:
     out = model(x) * scale
     return torch.relu(out) if act == "relu" else out
@@ -183,6 +208,7 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
     "eager_inference": eager_inference,
     "eager_train_step": eager_train_step,
     "eager_grad_resets": eager_grad_resets,
+    "eager_optimizer_step": eager_optimizer_step,
     "eager_multi_module": eager_multi_module,
     "eager_scalar_inputs": eager_scalar_inputs,
     "eager_literals_aliasing": eager_literals_aliasing,
@@ -261,6 +287,7 @@ FEATURE_CODE = {
     "layouts": "def _layout_message(",
     "several modules": "f\"module 'm{index}'",
     "nested inputs": "def leaf_paths(",
+    "optimizers": "def _check_optimizers(",
 }
 
 
@@ -270,6 +297,7 @@ FEATURE_CODE = {
         ("eager_inference", set()),
         ("eager_train_step", {"gradients"}),
         ("eager_grad_resets", {"gradients", "grad resets"}),
+        ("eager_optimizer_step", {"gradients", "grad resets", "optimizers"}),
         ("eager_scalar_inputs", {"scalar values", "nested inputs"}),
         ("eager_multi_module", {"several modules", "nested inputs"}),
         ("eager_literals_aliasing", {"aliasing"}),

@@ -1,0 +1,461 @@
+"""An optimizer's step() inside the precompiled function: N calls of the artifact
+equal N eager steps (parameters, gradients, optimizer state, losses), with a
+learning-rate schedule between calls; each misuse is rejected and changes nothing."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import precompile_gen as pg
+from precompile_gen.inspection import format_report, inspect_artifact
+from tests.state_snapshot import StateSnapshot, assert_same_state
+
+STEPS = 3
+MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
+MakeScheduler = Callable[[torch.optim.Optimizer], Any]
+
+
+def mlp(batch_norm: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    norm: list[nn.Module] = [nn.BatchNorm1d(8)] if batch_norm else []
+    return nn.Sequential(nn.Linear(4, 8), *norm, nn.ReLU(), nn.Linear(8, 3))
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight the output projection shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 10, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(5, 4, generator=generator), torch.randint(
+        0, 3, (5,), generator=generator
+    )
+
+
+def tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 10, (2, 5), generator=generator), torch.randint(
+        0, 10, (2, 5), generator=generator
+    )
+
+
+def lm_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def step_lr(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def one_cycle(optimizer: torch.optim.Optimizer) -> Any:
+    # The betas / momentum are built into the graph: only lr may cycle.
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=0.05, total_steps=10, cycle_momentum=False
+    )
+
+
+def assert_same_optimizer_state(
+    actual: torch.optim.Optimizer,
+    expected: torch.optim.Optimizer,
+    model: nn.Module,
+    twin: nn.Module,
+) -> None:
+    for (name, param), twin_param in zip(
+        model.named_parameters(), twin.parameters(), strict=True
+    ):
+        got, want = actual.state.get(param, {}), expected.state.get(twin_param, {})
+        assert list(got) == list(want), f"{name}: state keys {list(got)}"
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], msg=f"{name} {key}")
+    for got, want in zip(actual.param_groups, expected.param_groups, strict=True):
+        assert got["lr"] == pytest.approx(want["lr"])
+
+
+def run_side_by_side(
+    forward: Callable[..., object],
+    make_model: Callable[[], nn.Module],
+    make_optimizer: MakeOptimizer,
+    make_scheduler: MakeScheduler | None,
+    step: Callable[..., torch.Tensor],
+    make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    warm_up: int = 0,
+) -> None:
+    """``STEPS`` calls of ``forward`` against eager ``step`` on a twin, after
+    ``warm_up`` eager steps on both (an optimizer that has already stepped)."""
+    model = make_model()
+    twin = copy.deepcopy(model)
+    optimizer, twin_optimizer = make_optimizer(model), make_optimizer(twin)
+    for seed in range(warm_up):
+        step(model, optimizer, *make_batch(100 + seed))
+        step(twin, twin_optimizer, *make_batch(100 + seed))
+    schedulers = (
+        []
+        if make_scheduler is None
+        else [make_scheduler(optimizer), make_scheduler(twin_optimizer)]
+    )
+    for seed in range(STEPS):
+        loss = forward(model, optimizer, *make_batch(seed))
+        expected = step(twin, twin_optimizer, *make_batch(seed))
+        torch.testing.assert_close(loss, expected)
+        assert_same_state(model, twin)
+        assert_same_optimizer_state(optimizer, twin_optimizer, model, twin)
+        for scheduler in schedulers:
+            scheduler.step()
+    if schedulers:
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(
+            twin_optimizer.param_groups[0]["lr"]
+        )
+
+
+def precompiled(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: MakeOptimizer,
+    step: Callable[..., torch.Tensor],
+    example: tuple[torch.Tensor, torch.Tensor],
+    backend: str,
+) -> Callable[..., object]:
+    model = make_model()
+    optimizer = make_optimizer(model)
+    snapshot = StateSnapshot(model)
+    groups = copy.copy(optimizer.param_groups)
+    code, cache = pg.precompile(step, model, optimizer, *example, backend=backend)
+    # Capture stepped copies: the example model and optimizer are as they were.
+    snapshot.assert_unchanged()
+    assert not optimizer.state
+    assert optimizer.param_groups == groups
+    return pg.load(code, cache)
+
+
+OPTIMIZERS: dict[str, MakeOptimizer] = {
+    "SGD": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    "SGD-momentum": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01
+    ),
+    "SGD-nesterov": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.1, momentum=0.9, nesterov=True
+    ),
+    "Adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+    "AdamW-amsgrad": lambda m: torch.optim.AdamW(
+        m.parameters(), lr=0.01, weight_decay=0.1, amsgrad=True
+    ),
+    "Adam-foreach-maximize": lambda m: torch.optim.Adam(
+        m.parameters(), lr=0.01, foreach=True, maximize=True
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_eager_steps_equal_eager_pytorch_with_a_schedule(name: str) -> None:
+    make_optimizer = OPTIMIZERS[name]
+    forward = precompiled(mlp, make_optimizer, train_step, batch(0), "eager")
+    run_side_by_side(forward, mlp, make_optimizer, step_lr, train_step, batch)
+
+
+@pytest.mark.parametrize("name", ["SGD-nesterov", "AdamW-amsgrad"])
+def test_inductor_compiles_the_update_with_the_step(name: str) -> None:
+    make_optimizer = OPTIMIZERS[name]
+    forward = precompiled(mlp, make_optimizer, train_step, batch(0), "inductor")
+    run_side_by_side(forward, mlp, make_optimizer, one_cycle, train_step, batch)
+
+
+def test_an_optimizer_that_has_already_stepped() -> None:
+    # The example optimizer's state is read (copied) at capture; the runtime one
+    # continues from its own.
+    def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+
+    model = mlp()
+    optimizer = make_optimizer(model)
+    train_step(model, optimizer, *batch(50))
+    code, cache = pg.precompile(
+        train_step, model, optimizer, *batch(0), backend="eager"
+    )
+    forward = pg.load(code, cache)
+    run_side_by_side(
+        forward, mlp, make_optimizer, one_cycle, train_step, batch, warm_up=2
+    )
+
+
+def test_frozen_parameters_several_groups_and_batch_norm() -> None:
+    def make_model() -> nn.Module:
+        model = mlp(batch_norm=True)
+        model[0].requires_grad_(False)
+        return model
+
+    def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        assert isinstance(model, nn.Sequential)
+        head, body = model[3], model[:3]
+        return torch.optim.SGD(
+            [
+                {"params": body.parameters(), "lr": 0.05},
+                {"params": head.parameters(), "weight_decay": 0.1},
+            ],
+            lr=0.1,
+            momentum=0.9,
+        )
+
+    forward = precompiled(make_model, make_optimizer, train_step, batch(0), "eager")
+    assert [g["params"] for g in forward.__globals__["OPTIMIZERS"][0]["groups"]] == [
+        [0, 1, 2, 3],
+        [4, 5],
+    ]
+    # The frozen layer gets no gradient, so no state: it is no graph input.
+    state = forward.__globals__["OPTIMIZERS"][0]["state"]
+    assert [index for index, *_ in state] == [2, 3, 4, 5]
+    run_side_by_side(forward, make_model, make_optimizer, step_lr, train_step, batch)
+
+
+def test_tied_weights() -> None:
+    def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    forward = precompiled(TiedLM, make_optimizer, lm_step, tokens(0), "eager")
+    run_side_by_side(forward, TiedLM, make_optimizer, step_lr, lm_step, tokens)
+
+
+def test_inspect_shows_the_optimizer_and_the_artifact_its_contract() -> None:
+    model = mlp()
+    code, _ = pg.precompile(train_step, model, adam(model), *batch(0), backend="eager")
+    assert "# - The function steps its optimizer argument(s) inside the graph" in code
+    report = inspect_artifact(code)
+    assert report["signature"] == (
+        "train_step(arg0: nn.Module, arg1: optim.Adam, arg2, arg3)"
+    )
+    (optimizer,) = report["optimizers"]
+    assert optimizer["state_keys"] == ["step", "exp_avg", "exp_avg_sq"]
+    assert optimizer["state_tensors"] == 12
+    assert optimizer["groups"][0]["params"] == [
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    ]
+    text = format_report(report)
+    assert "12 tensors: step, exp_avg, exp_avg_sq" in text
+    assert "argument 2" in text and "argument 3" in text
+
+
+# --- Misuse: each rejected with a message naming the problem, changing nothing ----
+
+
+def adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+@pytest.fixture(scope="module")
+def adam_step() -> Callable[..., object]:
+    return precompiled(mlp, adam, train_step, batch(0), "eager")
+
+
+class OptimizerSnapshot:
+    """An optimizer's groups and state, to prove that a rejected call left them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.groups = [dict(group) for group in optimizer.param_groups]
+        self.state = {
+            param: {key: value.clone() for key, value in entry.items()}
+            for param, entry in optimizer.state.items()
+        }
+
+    def assert_unchanged(self) -> None:
+        assert [dict(g) for g in self.optimizer.param_groups] == self.groups
+        assert list(self.optimizer.state) == list(self.state)
+        for param, entry in self.optimizer.state.items():
+            assert list(entry) == list(self.state[param])
+            for key, value in entry.items():
+                torch.testing.assert_close(
+                    value, self.state[param][key], rtol=0, atol=0
+                )
+
+
+def rejected(
+    forward: Callable[..., object],
+    model: nn.Module,
+    optimizer: object,
+    *inputs: torch.Tensor,
+) -> str:
+    snapshots = [StateSnapshot(model, *inputs)]
+    optimizer_snapshot = (
+        OptimizerSnapshot(optimizer)
+        if isinstance(optimizer, torch.optim.Optimizer)
+        else None
+    )
+    with pytest.raises(pg.PrecompileError) as info:
+        forward(model, optimizer, *inputs)
+    for snapshot in snapshots:
+        snapshot.assert_unchanged()
+    if optimizer_snapshot is not None:
+        optimizer_snapshot.assert_unchanged()
+    return str(info.value)
+
+
+def stepped_adam(model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = adam(model)
+    train_step(model, optimizer, *batch(7))
+    optimizer.zero_grad()
+    return optimizer
+
+
+def test_another_optimizer_class_is_rejected(adam_step: Callable[..., object]) -> None:
+    model = mlp()
+    message = rejected(
+        adam_step, model, torch.optim.SGD(model.parameters(), lr=0.1), *batch(1)
+    )
+    assert "argument 1 must be a torch.optim.Adam" in message
+    assert "got SGD" in message
+
+
+def test_an_optimizer_of_another_model_is_rejected(
+    adam_step: Callable[..., object],
+) -> None:
+    model = mlp()
+    message = rejected(adam_step, model, adam(mlp()), *batch(1))
+    assert "param group 0 of the Adam at argument 1 holds" in message
+    assert "not in the model" in message
+    assert "Build the optimizer from this model's parameters" in message
+
+
+def test_other_param_groups_are_rejected(adam_step: Callable[..., object]) -> None:
+    model = mlp()
+    optimizer = torch.optim.Adam(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters()}],
+        lr=0.01,
+    )
+    message = rejected(adam_step, model, optimizer, *batch(1))
+    assert "has 2 param groups, but the traced one had 1" in message
+
+
+def test_a_changed_option_is_rejected_and_names_the_scheduler_fix(
+    adam_step: Callable[..., object],
+) -> None:
+    model = mlp()
+    optimizer = stepped_adam(model)
+    # OneCycleLR cycles betas[0] by default: that value is built into the graph.
+    torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=10)
+    message = rejected(adam_step, model, optimizer, *batch(1))
+    assert "has betas=" in message
+    assert "built with betas=(0.9, 0.999)" in message
+    assert "cycle_momentum=False" in message
+
+
+def test_state_of_another_layout_is_rejected(adam_step: Callable[..., object]) -> None:
+    model = mlp()
+    optimizer = stepped_adam(model)
+    first = next(iter(model.parameters()))
+    optimizer.state[first]["exp_avg"] = optimizer.state[first]["exp_avg"].double()
+    message = rejected(adam_step, model, optimizer, *batch(1))
+    assert "state 'exp_avg' of the model's '0.weight'" in message
+    assert "dtype torch.float64" in message
+    del optimizer.state[first]["exp_avg_sq"]
+    message = rejected(adam_step, model, optimizer, *batch(1))
+    assert "holds the state ['step', 'exp_avg'] for the model's '0.weight'" in message
+
+
+def test_a_stale_gradient_is_rejected() -> None:
+    # Without zero_grad() in the function, eager would step with the sum of the old
+    # and the new gradient; the traced step saw the new one alone.
+    def step_without_reset(
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        x: torch.Tensor,
+        y: torch.Tensor,
+    ) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    forward = precompiled(mlp, adam, step_without_reset, batch(0), "eager")
+    model = mlp()
+    optimizer = adam(model)
+    # Without a .grad, the call is eager's step.
+    twin = copy.deepcopy(model)
+    twin_optimizer = adam(twin)
+    forward(model, optimizer, *batch(1))
+    step_without_reset(twin, twin_optimizer, *batch(1))
+    assert_same_state(model, twin)
+    message = rejected(forward, model, optimizer, *batch(2))
+    assert "the model's '0.weight' comes with a .grad" in message
+    assert "Call zero_grad() in the function" in message
+
+
+def test_a_gradient_hook_is_rejected(adam_step: Callable[..., object]) -> None:
+    model = mlp()
+    weight = model[2].weight
+    assert isinstance(weight, torch.Tensor)
+    weight.register_hook(lambda grad: grad * 2)
+    message = rejected(adam_step, model, adam(model), *batch(1))
+    assert "the model's '2.weight' has a gradient hook" in message
+
+
+def test_a_fresh_sgd_with_dampening_is_rejected() -> None:
+    def sgd(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+
+    forward = precompiled(mlp, sgd, train_step, batch(0), "eager")
+    model = mlp()
+    message = rejected(forward, model, sgd(model), *batch(1))
+    assert "no momentum buffer yet" in message
+    assert "dampening=0" in message
+    # Once the optimizer has stepped, its buffers exist and the call is eager's.
+    run_side_by_side(forward, mlp, sgd, None, train_step, batch, warm_up=1)
+
+
+def test_unsupported_optimizers_are_refused_at_capture() -> None:
+    model = mlp()
+    snapshot = StateSnapshot(model)
+    rmsprop = torch.optim.RMSprop(model.parameters(), lr=0.01)
+    with pytest.raises(pg.PrecompileError) as info:
+        pg.precompile(train_step, model, rmsprop, *batch(0), backend="eager")
+    assert "calls step() on the optimizer RMSprop" in str(info.value)
+    assert "SGD, Adam, AdamW" in str(info.value)
+    fused = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    with pytest.raises(pg.PrecompileError, match="fused=True"):
+        pg.precompile(train_step, model, fused, *batch(0), backend="eager")
+    stranger = torch.optim.SGD(
+        [*model.parameters(), nn.Parameter(torch.ones(2))], lr=0.1
+    )
+    with pytest.raises(
+        pg.PrecompileError, match="not a parameter of a module argument"
+    ):
+        pg.precompile(train_step, model, stranger, *batch(0), backend="eager")
+    hooked = adam(model)
+    hooked.register_step_pre_hook(lambda *_: None)
+    with pytest.raises(pg.PrecompileError, match="has step hooks"):
+        pg.precompile(train_step, model, hooked, *batch(0), backend="eager")
+    snapshot.assert_unchanged()
