@@ -67,7 +67,7 @@ else:
 model, images, labels = demo.example()
 start, started_load = time.perf_counter(), time.time()
 if step == "precompile":
-    code, cache = precompile(demo.train_step, model, images, labels)
+    code, cache = precompile(demo.backward_step, model, images, labels)
     open(code_path, "w", encoding="utf-8").write(code)
     open(cache_path, "wb").write(cache)
 else:

@@ -81,12 +81,12 @@ def _rank(
     start, cpu_start = time.time(), _cpu_seconds()
     payload_bytes = 0
     if mode == "every":
-        python_code, cache = pg.precompile(demo.train_step, model, images, labels)
+        python_code, cache = pg.precompile(demo.backward_step, model, images, labels)
         payload_bytes = len(python_code.encode("utf-8")) + len(cache)
         forward = pg.load(python_code, cache)
     else:
         forward = precompile_once(
-            demo.train_step,
+            demo.backward_step,
             model,
             images,
             labels,

@@ -51,7 +51,7 @@ else:
     precompile = torch.compiler.precompile
 model, images, labels = demo.example()
 start = time.perf_counter()
-precompile(demo.train_step, model, images, labels, backend=backend)
+precompile(demo.backward_step, model, images, labels, backend=backend)
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "stages": stages}))
 """

@@ -1,5 +1,6 @@
-"""The built-in example: precompile a small CNN training step, reload it in a fresh
-process and check it against eager PyTorch.
+"""The built-in example: precompile a small CNN's whole training step (forward,
+backward and AdamW's update), reload it in a fresh process and check two steps with a
+learning-rate schedule against eager PyTorch.
 
 Run ``precompile-gen demo``. The reload half runs as ``python -m precompile_gen.demo
 DIR`` so that nothing from the precompiling process (compiled kernels, imported
@@ -31,7 +32,9 @@ class SmallCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, kernel_size=3, padding=1),
+            # No bias: the BatchNorm after it removes any, leaving it a gradient
+            # of rounding noise, which Adam's update would amplify.
+            nn.Conv2d(3, 8, kernel_size=3, padding=1, bias=False),
             nn.BatchNorm2d(8),
             nn.ReLU(),
             nn.AdaptiveAvgPool2d(1),
@@ -41,24 +44,51 @@ class SmallCNN(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(images).flatten(1))
 
+    @classmethod
+    def seeded(cls) -> SmallCNN:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return cls()
+
 
 def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+) -> torch.Tensor:
+    """The demo's step: the whole of it, optimizer included."""
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(images), labels)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def backward_step(
     model: nn.Module, images: torch.Tensor, labels: torch.Tensor
 ) -> torch.Tensor:
+    """The step up to its backward, for the benchmarks that compare with
+    torch.compiler.precompile, which has no optimizer step."""
     loss = nn.functional.cross_entropy(model(images), labels)
     loss.backward()
     return loss.detach()
 
 
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
 def example() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """The same model and batch in every process (fixed seed)."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = SmallCNN()
+    return SmallCNN.seeded(), *batch(0)
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
     images = torch.randn(4, 3, 16, 16, generator=generator)
     labels = torch.randint(0, 10, (4,), generator=generator)
-    return model, images, labels
+    return images, labels
 
 
 def run(
@@ -81,7 +111,7 @@ def run(
     ):
         start = time.perf_counter()
         python_code, cache = precompile(
-            train_step, model, images, labels, backend=backend
+            train_step, model, optimizer(model), images, labels, backend=backend
         )
         stages.append(("precompile", time.perf_counter() - start))
     artifact_path, cache_path = out_dir / ARTIFACT_NAME, out_dir / CACHE_NAME
@@ -142,8 +172,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"backend        {report['backend']}",
         f"artifact       {report['artifact']} ({report['artifact_bytes']:,} bytes)",
         f"cache          {report['cache']} ({report['cache_bytes']:,} bytes)",
-        f"matches eager  loss {report['loss']:.4f}, "
-        f"{report['params_checked']} parameter grads, "
+        f"matches eager  {len(report['losses'])} steps with a learning-rate "
+        "schedule (losses "
+        + ", ".join(f"{loss:.4f}" for loss in report["losses"])
+        + f"): {report['params_checked']} parameters and their grads, "
+        f"{report['state_checked']} optimizer state tensors, "
         f"{report['buffers_checked']} buffers",
         "",
         f"{'stage'.ljust(width)}  seconds",
@@ -154,8 +187,10 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def check(out_dir: Path) -> dict[str, object]:
-    """Load the pair, run one training step with it and with eager PyTorch on two
-    copies of the example model, and compare loss, gradients and buffers."""
+    """Load the pair and run two training steps with it and with eager PyTorch on
+    copies of the example model, halving the learning rate in between; compare the
+    losses, the parameters and their gradients, the optimizer's state and the
+    BatchNorm buffers."""
     import copy
     import logging
 
@@ -163,34 +198,62 @@ def check(out_dir: Path) -> dict[str, object]:
 
     # load() warns before executing unsigned code; the demo made the code itself.
     logging.getLogger("precompile_gen").setLevel(logging.ERROR)
-    model, images, labels = example()
+    model = SmallCNN.seeded()
     reference_model = copy.deepcopy(model)
+    model_optimizer = optimizer(model)
+    reference_optimizer = optimizer(reference_model)
+    schedules = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+        for o in (model_optimizer, reference_optimizer)
+    ]
     start = time.perf_counter()
     forward = load(
         (out_dir / ARTIFACT_NAME).read_text(encoding="utf-8"),
         (out_dir / CACHE_NAME).read_bytes(),
     )
-    loss = forward(model, images, labels)
-    first_result_seconds = time.perf_counter() - start
+    first_result_seconds = 0.0
+    compare_seconds = 0.0
+    losses = []
+    for seed in range(2):
+        images, labels = batch(seed)
+        if seed:
+            start = time.perf_counter()
+        loss = forward(model, model_optimizer, images, labels)
+        if not seed:
+            first_result_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+        expected = train_step(reference_model, reference_optimizer, images, labels)
+        assert isinstance(loss, torch.Tensor)
+        torch.testing.assert_close(loss, expected)
+        losses.append(float(loss))
+        for schedule in schedules:
+            schedule.step()
+        compare_seconds += time.perf_counter() - start
     start = time.perf_counter()
-    expected = train_step(reference_model, images, labels)
-    assert isinstance(loss, torch.Tensor)
-    torch.testing.assert_close(loss, expected)
-    for (name, got), (_, want) in zip(
-        model.named_parameters(), reference_model.named_parameters(), strict=True
+    state_checked = 0
+    for (name, got), want in zip(
+        model.named_parameters(), reference_model.parameters(), strict=True
     ):
+        torch.testing.assert_close(got, want, msg=name)
         assert got.grad is not None and want.grad is not None, name
         torch.testing.assert_close(got.grad, want.grad, msg=f"grad of {name}")
+        state = model_optimizer.state[got]
+        expected_state = reference_optimizer.state[want]
+        assert list(state) == list(expected_state), name
+        for key, value in expected_state.items():
+            torch.testing.assert_close(state[key], value, msg=f"{key} of {name}")
+            state_checked += 1
     for (name, got), (_, want) in zip(
         model.named_buffers(), reference_model.named_buffers(), strict=True
     ):
         torch.testing.assert_close(got, want, msg=f"buffer {name}")
     return {
-        "loss": float(loss),
+        "losses": losses,
         "params_checked": len(list(model.parameters())),
+        "state_checked": state_checked,
         "buffers_checked": len(list(model.buffers())),
         "reload_first_result_seconds": first_result_seconds,
-        "compare_seconds": time.perf_counter() - start,
+        "compare_seconds": compare_seconds + time.perf_counter() - start,
     }
 
 

@@ -148,7 +148,10 @@ def test_console_script_runs_every_command(
     rc, out, err = results["demo"]
     assert rc == 0, err
     assert re.search(
-        r"matches eager  loss \d+\.\d{4}, 6 parameter grads, 3 buffers", out
+        r"matches eager  2 steps with a learning-rate schedule \(losses "
+        r"\d+\.\d{4}, \d+\.\d{4}\): 5 parameters and their grads, "
+        r"15 optimizer state tensors, 3 buffers",
+        out,
     )
     for stage in (
         "precompile",
@@ -174,7 +177,8 @@ def test_console_script_runs_every_command(
     assert _cli(capsys, "verify", str(demo_step), str(demo_cache))[0] == 0
     code, out, err = _cli(capsys, "inspect", str(demo_step))
     assert code == 0, err
-    assert "train_step(arg0: nn.Module, arg1, arg2)" in out
+    assert "train_step(arg0: nn.Module, arg1: optim.AdamW, arg2, arg3)" in out
+    assert "15 tensors: step, exp_avg, exp_avg_sq" in out
     assert re.search(r"features\.1\.running_mean\s+buffer\s+\(8,\)", out)
     assert re.search(r"features\.0\.weight\s+parameter\s+\(8, 3, 3, 3\)", out)
 

@@ -102,6 +102,50 @@ def _attempt(call: Callable[[], object]) -> dict[str, Any]:
 # test checks, as JSON-able data.
 
 
+def optimizer_train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def each_rank_steps_its_own_optimizer(
+    rank: int, src: int, backend: str, cache_dir: str | None
+) -> dict[str, Any]:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    forward = precompile_once(
+        optimizer_train_step,
+        model,
+        optimizer,
+        _batch(rank),
+        src=src,
+        backend=backend,
+        cache_dir=cache_dir,
+    )
+    for step in range(2):
+        x = _batch(10 * rank + step)
+        torch.testing.assert_close(
+            forward(model, optimizer, x),
+            optimizer_train_step(reference, reference_optimizer, x),
+        )
+    for (name, got), want in zip(
+        model.named_parameters(), reference.parameters(), strict=True
+    ):
+        torch.testing.assert_close(got, want, msg=name)
+        state, expected = optimizer.state[got], reference_optimizer.state[want]
+        assert list(state) == list(expected), name
+        for key in expected:
+            torch.testing.assert_close(state[key], expected[key], msg=f"{name} {key}")
+    first = next(iter(model.parameters()))
+    return {"steps": float(optimizer.state[first]["step"])}
+
+
 def loads_and_matches_eager(
     rank: int, src: int, backend: str, cache_dir: str | None
 ) -> dict[str, Any]:
@@ -278,6 +322,13 @@ def test_every_rank_matches_eager_and_only_src_traced(
     )
     traces = [result["traces"] if result else None for result in results]
     assert traces == [1 if rank == src else 0 for rank in range(world_size)]
+
+
+def test_each_rank_steps_its_own_optimizer(tmp_path: Path) -> None:
+    results = run_ranks(
+        2, tmp_path, each_rank_steps_its_own_optimizer, 0, "eager", None
+    )
+    assert [result["steps"] if result else None for result in results] == [2.0, 2.0]
 
 
 def test_shared_folder_mode_writes_one_pair_and_every_rank_loads_it(
