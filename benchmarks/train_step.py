@@ -26,6 +26,7 @@ measured in this one run, at torch's default thread count.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import logging
 import statistics
@@ -105,19 +106,10 @@ def _steppers(
         "torch.compile": compiled,
         "precompile_gen": artifact,
     }
-    steppers = {}
+    steppers: dict[str, Callable[[], object]] = {}
     for system in SYSTEMS:
         own = copy.deepcopy(model)
-        optimizer = _adamw(own)
-        run = runs[system]
-
-        def one_step(
-            run: Callable[..., object] = run,
-            own: nn.Module = own,
-            optimizer: torch.optim.Optimizer = optimizer,
-        ) -> object:
-            return run(own, optimizer, inputs, labels)
-
+        one_step = functools.partial(runs[system], own, _adamw(own), inputs, labels)
         # Warm up: torch.compile compiles here, and every system creates its
         # optimizer state on its first step.
         for _ in range(3):

@@ -124,7 +124,7 @@ def _options(
         if key in _UNCHECKED_OPTIONS:
             continue
         value = group.get(key)
-        if isinstance(value, tuple):
+        if isinstance(value, tuple | list):
             value = tuple(_plain(name, number, key, v) for v in value)
         else:
             value = _plain(name, number, key, value)

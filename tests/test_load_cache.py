@@ -195,6 +195,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "ALIASED_INPUTS": [],
         "KERNEL_BINARIES": {},
         "KERNEL_SOURCES": {},
+        # Emitted only with optimizer arguments; its absence reads as none.
+        "OPTIMIZERS": [],
     }
     assert list(meta) == [
         "BACKEND",
@@ -227,6 +229,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "ALIASED_INPUTS",
         "KERNEL_BINARIES",
         "KERNEL_SOURCES",
+        "OPTIMIZERS",
     ]
 
 

@@ -45,6 +45,7 @@ def test_stubs_cover_every_template() -> None:
             "fast_path",
             "grad_resets",
             "gradients",
+            "optimizers",
             "forward",
         )
     }

@@ -39,6 +39,7 @@ INDUCTOR = "tests/golden/inductor_inference.py"
 # An inference capture's driver, shown whole: the code this one capture needs.
 SPECIALISED = "tests/golden/eager_inference.py"
 INSPECTED = ("tests/golden/eager_multi_module.py", INDUCTOR)
+OPTIMIZER = "tests/golden/eager_optimizer_step.py"
 
 # (first line, last line, most lines shown) of one piece of an excerpt.
 Span = tuple[int, int, int]
@@ -68,6 +69,18 @@ def render_gallery(root: Path = ROOT) -> str:
         "",
         "```python",
         _excerpt(inductor, _inductor_spans(inductor)),
+        "```",
+    ]
+    optimizer = (root / OPTIMIZER).read_text(encoding="utf-8")
+    parts += [
+        "",
+        f"**The whole training step** (`{OPTIMIZER}`): `SGD(momentum=0.9)`'s",
+        "update at the end of the captured graph, writing the parameters and the",
+        "momentum buffers in place with the call's lr (the last graph input),",
+        "`OPTIMIZERS`, and the driver's entry point.",
+        "",
+        "```python",
+        _excerpt(optimizer, _optimizer_spans(optimizer)),
         "```",
     ]
     specialised = (root / SPECIALISED).read_text(encoding="utf-8")
@@ -118,6 +131,31 @@ def _eager_spans(text: str) -> list[Span]:
         _title(sections["graph"]),
         (graph_forward.lineno, _end(graph_forward), 10),
         (metadata.first_line, metadata.last_line, 16),
+        _whole(_function(module, sections["driver"], "forward")),
+    ]
+
+
+def _optimizer_spans(text: str) -> list[Span]:
+    sections = sections_by_key(text)
+    module = parse_artifact(text)
+    graph_forward = _function(module, sections["graph"], "_graph_forward")
+    # The update: from the first in-place write of an optimizer's state on.
+    lines = text.splitlines()
+    update = next(
+        number
+        for number in range(graph_forward.lineno, _end(graph_forward) + 1)
+        if "aten.mul_." in lines[number - 1]
+    )
+    optimizers = next(
+        s
+        for s in section_statements(module, sections["metadata"])
+        if isinstance(s, ast.AnnAssign)
+        and isinstance(s.target, ast.Name)
+        and s.target.id == "OPTIMIZERS"
+    )
+    return [
+        (update, _end(graph_forward), 14),
+        _whole(optimizers),
         _whole(_function(module, sections["driver"], "forward")),
     ]
 

@@ -1054,7 +1054,8 @@ _OUT_SPEC: pytree.TreeSpec = pytree.treespec_loads(OUT_SPEC)
 def forward(*args: object, **keywords: object) -> object:
     """Run the captured computation: ``forward(model, *inputs)`` with the arguments the
     traced function took. Returns the function's result; gradients it computed are
-    added to the model's ``.grad`` fields."""
+    added to the model's ``.grad`` fields; the optimizer's step updates the
+    parameters and its state in place."""
     if keywords:
         _reject_keywords(keywords)
     modules, leaves = _split_arguments(args)
@@ -1065,11 +1066,11 @@ def forward(*args: object, **keywords: object) -> object:
         state = _remember(modules, tensors)
     steps = _check_optimizers(args, state.tensors)
     _check_aliasing(args, state, leaves)
-    leaves = [*leaves, *_optimizer_inputs(steps, state.tensors)]
+    optimizer_inputs = _optimizer_inputs(steps, state.tensors)
     # The graph already contains the backward ops it needs; recording autograd
     # history for them would only cost memory.
     with torch.no_grad():
-        flat_outputs = call([*state.tensors, *leaves])
+        flat_outputs = call([*state.tensors, *leaves, *optimizer_inputs])
     for index, set_to_none in GRAD_RESETS:
         reset_grad(state.tensors[index], set_to_none)
     _mark_stepped(steps)
