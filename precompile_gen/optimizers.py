@@ -166,12 +166,9 @@ def _lr(
             f"an optimizer's lr is a tensor of shape {tuple(lr.shape)}; it must be a "
             "number or a one-element tensor."
         )
-    # The step computes with lr in the dtype of the step count (torch's scalar dtype).
-    dtype = (
-        torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    )
+    # The step computes with lr in the dtype of the step count.
     device = params[indices[0]].device if indices else torch.device("cpu")
-    return str(dtype), str(device)
+    return str(_scalar_dtype()), str(device)
 
 
 def _first_state(
@@ -219,6 +216,7 @@ def _first_state(
 
 
 def _scalar_dtype() -> torch.dtype:
+    # The dtype torch's optimizers keep their step counts in.
     return (
         torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     )

@@ -3,7 +3,9 @@
 Every ``nn.Module`` argument has its parameters and buffers lifted to graph inputs by
 functional reparametrisation, so the graph takes ``[*params, *buffers, *user_leaves]``
 and nothing live is baked in. If ``fn`` runs a backward, the parameters' gradients are
-harvested as extra trailing outputs. The trace runs on copies of the example tensors
+harvested as extra trailing outputs. An SGD, Adam or AdamW argument has the state
+its ``step()`` reads, then one ``lr`` per param group, lifted to inputs after the user
+leaves (``optimizers``). The trace runs on copies of the example tensors
 (fake ones when an input has a mark_unbacked dim): tracing never changes the example
 model, its buffers, its ``.grad`` fields or the example inputs; modules that ``fn``
 switches between train and eval mode are put back as they were.
@@ -98,7 +100,7 @@ class TracedGraph:
     optimizers: list[OptimizerArgument]
     state: ModuleState
     aliased_inputs: list[AliasGroup]
-    # Positions of the graph inputs fn updated in place.
+    # Positions of the module state and input leaves fn updated in place.
     mutated_inputs: list[int]
     # The tensors fn created from Python data (torch.tensor(...)), by the name of the
     # graph input each became; they are the last inputs in ``flat_args``, after the
@@ -268,11 +270,11 @@ def trace(
     if symbolic is not None:
         dynamic_dims.reject_constrained_dims(symbolic, fn_name)
     # The trace ran fn for real (or on fakes), so an in-place update of an input
-    # shows in its version counter.
+    # shows in its version counter. (An optimizer's state, after them, always is.)
     mutated_inputs = [
         position
         for position, (arg, before) in enumerate(zip(flat_args, versions, strict=True))
-        if _version(arg) != before
+        if position < state_start and _version(arg) != before
     ]
     optimizer_arguments = _finish_optimizers(
         gm,

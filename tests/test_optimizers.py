@@ -200,6 +200,14 @@ def test_inductor_compiles_the_update_with_the_step(name: str) -> None:
     run_side_by_side(forward, mlp, make_optimizer, one_cycle, train_step, batch)
 
 
+def test_inductor_with_batch_norm() -> None:
+    def make_model() -> nn.Module:
+        return mlp(batch_norm=True)
+
+    forward = precompiled(make_model, adam, train_step, batch(0), "inductor")
+    run_side_by_side(forward, make_model, adam, step_lr, train_step, batch)
+
+
 def test_an_optimizer_that_has_already_stepped() -> None:
     # The example optimizer's state is read (copied) at capture; the runtime one
     # continues from its own.
