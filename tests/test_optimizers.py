@@ -25,7 +25,10 @@ MakeScheduler = Callable[[torch.optim.Optimizer], Any]
 def mlp(batch_norm: bool = False) -> nn.Sequential:
     torch.manual_seed(0)
     norm: list[nn.Module] = [nn.BatchNorm1d(8)] if batch_norm else []
-    return nn.Sequential(nn.Linear(4, 8), *norm, nn.ReLU(), nn.Linear(8, 3))
+    # No bias before a BatchNorm, which removes it: its gradient would be rounding
+    # noise, which Adam's normalised update amplifies into steps of about lr.
+    first = nn.Linear(4, 8, bias=not batch_norm)
+    return nn.Sequential(first, *norm, nn.ReLU(), nn.Linear(8, 3))
 
 
 class TiedLM(nn.Module):
@@ -249,12 +252,12 @@ def test_frozen_parameters_several_groups_and_batch_norm() -> None:
 
     forward = precompiled(make_model, make_optimizer, train_step, batch(0), "eager")
     assert [g["params"] for g in forward.__globals__["OPTIMIZERS"][0]["groups"]] == [
-        [0, 1, 2, 3],
-        [4, 5],
+        [0, 1, 2],
+        [3, 4],
     ]
     # The frozen layer gets no gradient, so no state: it is no graph input.
     state = forward.__globals__["OPTIMIZERS"][0]["state"]
-    assert [index for index, *_ in state] == [2, 3, 4, 5]
+    assert [index for index, *_ in state] == [1, 2, 3, 4]
     run_side_by_side(forward, make_model, make_optimizer, step_lr, train_step, batch)
 
 
