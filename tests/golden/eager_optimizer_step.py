@@ -727,22 +727,34 @@ def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
         _remembered = None
 
 
-# The optimizer arguments' classes, and per optimizer the keys of each parameter's
-# state tensors (by index into PARAM_NAMES), as its step keeps them.
+# The optimizer arguments' classes.
 _OPTIMIZER_CLASSES: list[type[torch.optim.Optimizer]] = [
     getattr(torch.optim, optimizer["class"]) for optimizer in OPTIMIZERS
 ]
+_DTYPES: dict[str, torch.dtype] = {
+    str(dtype): dtype
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+# A state tensor's shape, dtype and device as a matching tensor reports them, so
+# that it costs one comparison.
+_Signature = tuple[torch.Size, Any, torch.device]
 
 
-def _state_keys(state: list[Any]) -> dict[int, list[str]]:
-    keys: dict[int, list[str]] = {}
-    for index, key, *_ in state:
-        keys.setdefault(index, []).append(key)
-    return keys
+def _state_layout(state: list[Any]) -> list[tuple[int, list[str], list[_Signature]]]:
+    """Per parameter with state (index into PARAM_NAMES): its keys, in the order the
+    step creates them, and each tensor's signature."""
+    layout: list[tuple[int, list[str], list[_Signature]]] = []
+    for index, key, shape, dtype, device in state:
+        if not layout or layout[-1][0] != index:
+            layout.append((index, [], []))
+        layout[-1][1].append(key)
+        signature = (torch.Size(shape), _DTYPES.get(dtype), torch.device(device))
+        layout[-1][2].append(signature)
+    return layout
 
 
-_STATE_KEYS: list[dict[int, list[str]]] = [
-    _state_keys(optimizer["state"]) for optimizer in OPTIMIZERS
+_STATE_LAYOUTS: list[list[tuple[int, list[str], list[_Signature]]]] = [
+    _state_layout(optimizer["state"]) for optimizer in OPTIMIZERS
 ]
 _GRADIENTS: set[int] = set(GRAD_PARAM_INDICES)
 # Parameters whose .grad the function resets before its backward, and those it
@@ -765,7 +777,7 @@ def _check_optimizers(
 ) -> list[_Step]:
     """Hold each optimizer argument to the traced one; change nothing."""
     steps = []
-    for spec, cls, keys in zip(OPTIMIZERS, _OPTIMIZER_CLASSES, _STATE_KEYS):
+    for spec, cls, layout in zip(OPTIMIZERS, _OPTIMIZER_CLASSES, _STATE_LAYOUTS):
         position = spec["position"]
         optimizer = args[position]
         if type(optimizer) is not cls:
@@ -780,29 +792,33 @@ def _check_optimizers(
         _check_groups(step.optimizer, spec["groups"], tensors, subject)
         if spec["steps"]:
             _check_gradients(spec["groups"], tensors, subject)
-        for index, traced_keys in keys.items():
-            param_state = step.optimizer.state.get(tensors[index])
+        state = step.optimizer.state
+        for index, keys, signatures in layout:
+            param_state = state.get(tensors[index])
             if not param_state:
+                if "momentum_buffer" in keys:
+                    _check_fresh_momentum(spec["groups"], index, subject)
                 step.fresh.append(index)
-            elif list(param_state) != traced_keys:
+                continue
+            if list(param_state) != keys:
                 _fail(
                     f"{subject} holds the state {list(param_state)} for the model's "
-                    f"{_STATE_NAMES[index]!r}, but its traced step keeps "
-                    f"{traced_keys}. Pass an optimizer whose state its own steps "
-                    "created, or capture again with this one."
+                    f"{_STATE_NAMES[index]!r}, but its traced step keeps {keys}. "
+                    "Pass an optimizer whose state its own steps created, or capture "
+                    "again with this one."
                 )
-        for index, key, shape, dtype, device in spec["state"]:
-            if index in step.fresh:
-                if key == "momentum_buffer":
-                    _check_fresh_momentum(spec["groups"], index, subject)
-                continue
-            _check_state_tensor(
-                step.optimizer.state[tensors[index]][key],
-                f"{subject}'s state {key!r} of the model's {_STATE_NAMES[index]!r}",
-                shape,
-                dtype,
-                device,
-            )
+            for key, signature in zip(keys, signatures):
+                tensor = param_state[key]
+                if (
+                    not isinstance(tensor, torch.Tensor)
+                    or (tensor.shape, tensor.dtype, tensor.device) != signature
+                ):
+                    _check_state_tensor(
+                        tensor,
+                        f"{subject}'s state {key!r} of the model's "
+                        f"{_STATE_NAMES[index]!r}",
+                        signature,
+                    )
         steps.append(step)
     return steps
 
@@ -915,19 +931,18 @@ def _check_fresh_momentum(
         )
 
 
-def _check_state_tensor(
-    tensor: object, what: str, shape: tuple[int, ...], dtype: str, device: str
-) -> None:
+def _check_state_tensor(tensor: object, what: str, signature: _Signature) -> None:
+    shape, dtype, device = tuple(signature[0]), str(signature[1]), str(signature[2])
     if not isinstance(tensor, torch.Tensor):
         _fail(
             f"{what} is a {type(tensor).__name__}, but the traced step read a tensor. "
             "Pass an optimizer whose state its own steps created."
         )
-    if tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != dtype:
+    if tuple(tensor.shape) != shape or str(tensor.dtype) != dtype:
         _fail(
             f"{what} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, but the "
-            f"traced step read {tuple(shape)} and {dtype}. Pass an optimizer whose "
-            "state was created for this model, or capture again with it."
+            f"traced step read {shape} and {dtype}. Pass an optimizer whose state was "
+            "created for this model, or capture again with it."
         )
     if str(tensor.device) != device:
         _fail(
@@ -944,22 +959,24 @@ def _optimizer_inputs(
     created first where its step has not yet, then each group's lr."""
     state: list[torch.Tensor] = []
     lrs: list[torch.Tensor] = []
-    for spec, step in zip(OPTIMIZERS, steps):
+    for spec, step, layout in zip(OPTIMIZERS, steps, _STATE_LAYOUTS):
         optimizer = step.optimizer
-        for index in step.fresh:
-            # What the optimizer's first step creates, in its order of keys: zeros,
-            # and a step count of zero.
+        fresh = set(step.fresh)
+        for index, keys, signatures in layout:
             param = tensors[index]
-            optimizer.state[param] = {}
-        for index, key, shape, dtype, device in spec["state"]:
-            param_state = optimizer.state[tensors[index]]
-            if index in step.fresh:
-                param_state[key] = (
-                    torch.zeros(shape, dtype=_DTYPES[dtype], device=device)
-                    if key == "step"
-                    else torch.zeros_like(tensors[index])
-                )
-            state.append(param_state[key])
+            if index in fresh:
+                # What the optimizer's first step creates, in its order of keys:
+                # zeros like the parameter, and a step count of zero.
+                optimizer.state[param] = {
+                    key: (
+                        torch.zeros(shape, dtype=dtype, device=device)
+                        if key == "step"
+                        else torch.zeros_like(param)
+                    )
+                    for key, (shape, dtype, device) in zip(keys, signatures)
+                }
+            param_state = optimizer.state[param]
+            state.extend([param_state[key] for key in keys])
         for group, traced in zip(optimizer.param_groups, spec["groups"]):
             dtype, device = traced["lr"]
             lr = group["lr"]
@@ -968,12 +985,6 @@ def _optimizer_inputs(
             else:
                 lrs.append(torch.tensor(lr, dtype=_DTYPES[dtype], device=device))
     return state + lrs
-
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(dtype): dtype
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-}
 
 
 def _mark_stepped(steps: list[_Step]) -> None:
