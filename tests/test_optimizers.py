@@ -261,6 +261,21 @@ def test_frozen_parameters_several_groups_and_batch_norm() -> None:
     run_side_by_side(forward, make_model, make_optimizer, step_lr, train_step, batch)
 
 
+def test_inductor_with_tied_weights_and_two_groups() -> None:
+    def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        assert isinstance(model, TiedLM)
+        return torch.optim.AdamW(
+            [
+                {"params": model.embed.parameters(), "weight_decay": 0.0},
+                {"params": model.hidden.parameters()},
+            ],
+            lr=0.01,
+        )
+
+    forward = precompiled(TiedLM, make_optimizer, lm_step, tokens(0), "inductor")
+    run_side_by_side(forward, TiedLM, make_optimizer, step_lr, lm_step, tokens)
+
+
 def test_tied_weights() -> None:
     def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=0.01)
