@@ -526,16 +526,6 @@ def test_unsupported_optimizers_are_refused_at_capture() -> None:
 # --- Real programs: models nobody here wrote, stepping their optimizer -------------
 
 
-def classify_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
-    optimizer.zero_grad()
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-
 def hf_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 ) -> torch.Tensor:
@@ -557,8 +547,8 @@ def test_resnet18_with_sgd() -> None:
     def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return images(2, 32, seed)
 
-    forward = precompiled(resnet18, sgd, classify_step, make_batch(0), "eager")
-    run_side_by_side(forward, resnet18, sgd, step_lr, classify_step, make_batch)
+    forward = precompiled(resnet18, sgd, train_step, make_batch(0), "eager")
+    run_side_by_side(forward, resnet18, sgd, step_lr, train_step, make_batch)
 
 
 def test_gpt2_with_adamw_and_dropout() -> None:
