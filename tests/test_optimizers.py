@@ -344,13 +344,14 @@ def adam_step() -> Callable[..., object]:
 
 
 class OptimizerSnapshot:
-    """An optimizer's groups and state, to prove that a rejected call left them."""
+    """An optimizer's groups and state, to prove that a rejected call left them:
+    the same objects, none written in place, with the same values."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.groups = [dict(group) for group in optimizer.param_groups]
         self.state = {
-            param: {key: value.clone() for key, value in entry.items()}
+            param: {key: (value, _copy(value)) for key, value in entry.items()}
             for param, entry in optimizer.state.items()
         }
 
@@ -360,9 +361,18 @@ class OptimizerSnapshot:
         for param, entry in self.optimizer.state.items():
             assert list(entry) == list(self.state[param])
             for key, value in entry.items():
-                torch.testing.assert_close(
-                    value, self.state[param][key], rtol=0, atol=0
-                )
+                original, (copy_of, version) = self.state[param][key]
+                assert value is original, f"state {key!r} was replaced"
+                if isinstance(value, torch.Tensor):
+                    assert value._version == version, f"state {key!r} was written"
+                    if value.device.type != "meta":
+                        torch.testing.assert_close(value, copy_of, rtol=0, atol=0)
+
+
+def _copy(value: object) -> tuple[object, int | None]:
+    if isinstance(value, torch.Tensor):
+        return value.clone(), value._version
+    return value, None
 
 
 def rejected(
@@ -451,17 +461,6 @@ def test_state_of_another_layout_is_rejected(adam_step: Callable[..., object]) -
 def test_a_stale_gradient_is_rejected() -> None:
     # Without zero_grad() in the function, eager would step with the sum of the old
     # and the new gradient; the traced step saw the new one alone.
-    def step_without_reset(
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        x: torch.Tensor,
-        y: torch.Tensor,
-    ) -> torch.Tensor:
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
     forward = precompiled(mlp, adam, step_without_reset, batch(0), "eager")
     model = mlp()
     optimizer = adam(model)
@@ -474,6 +473,59 @@ def test_a_stale_gradient_is_rejected() -> None:
     message = rejected(forward, model, optimizer, *batch(2))
     assert "the model's '0.weight' comes with a .grad" in message
     assert "Call zero_grad() in the function" in message
+
+
+class WithUnusedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(4, 3)
+        self.unused = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def step_without_reset(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def test_a_gradient_the_step_would_apply_to_an_unreached_parameter_is_rejected() -> (
+    None
+):
+    forward = precompiled(WithUnusedLayer, adam, step_without_reset, batch(0), "eager")
+    model = WithUnusedLayer()
+    optimizer = adam(model)
+    model.unused.weight.grad = torch.ones_like(model.unused.weight)
+    message = rejected(forward, model, optimizer, *batch(1))
+    assert "the model's 'unused.weight' has a .grad" in message
+    assert "the traced step had no gradient for it" in message
+    assert "Set its .grad to None before the call" in message
+
+
+def test_a_bad_lr_and_state_of_other_types_or_devices_are_rejected(
+    adam_step: Callable[..., object],
+) -> None:
+    model = mlp()
+    optimizer = stepped_adam(model)
+    optimizer.param_groups[0]["lr"] = "0.01"
+    message = rejected(adam_step, model, optimizer, *batch(1))
+    assert "has lr='0.01'; it must be a number or a one-element tensor" in message
+    optimizer.param_groups[0]["lr"] = 0.01
+    first = next(iter(model.parameters()))
+    step_count = optimizer.state[first]["step"]
+    optimizer.state[first]["step"] = 1.0
+    message = rejected(adam_step, model, optimizer, *batch(1))
+    assert "state 'step' of the model's '0.weight' is a float" in message
+    optimizer.state[first]["step"] = step_count.to("meta")
+    message = rejected(adam_step, model, optimizer, *batch(1))
+    assert "state 'step' of the model's '0.weight' is on device 'meta'" in message
+    assert "Move the optimizer's state there" in message
 
 
 def test_a_gradient_hook_is_rejected(adam_step: Callable[..., object]) -> None:

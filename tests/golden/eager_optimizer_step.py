@@ -910,7 +910,8 @@ def _check_gradients(
                     f"the model's {name!r} has a .grad, which {subject}'s step would "
                     "apply, but the traced step had no gradient for it (the "
                     "function's backward does not reach it). Set its .grad to None "
-                    "before the call, or capture again with it set."
+                    "before the call (optimizer.zero_grad() in the function does it "
+                    "at every call)."
                 )
 
 
