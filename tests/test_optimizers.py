@@ -5,6 +5,7 @@ learning-rate schedule between calls; each misuse is rejected and changes nothin
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -617,3 +618,49 @@ def test_gpt2_with_adamw_and_dropout() -> None:
     # not see them), which Adam's normalised update turns into steps of about lr:
     # there the capturable formulation's rounding shows most, so lr stays small.
     run_side_by_side(forward, gpt2, adamw, step_lr, hf_step, make_batch)
+
+
+def test_optimizer_configurations_the_artifact_cannot_hold_are_refused_at_capture(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = mlp()
+    snapshot = StateSnapshot(model)
+
+    def refused(optimizer: torch.optim.Optimizer, *inputs: torch.Tensor) -> str:
+        with pytest.raises(pg.PrecompileError) as info:
+            pg.precompile(train_step, model, optimizer, *inputs, backend="eager")
+        return str(info.value)
+
+    differentiable = torch.optim.SGD(model.parameters(), lr=0.1, differentiable=True)
+    assert "differentiable=True" in refused(differentiable, *batch(0))
+    tensor_option = torch.optim.SGD(model.parameters(), lr=0.1)
+    tensor_option.param_groups[0]["weight_decay"] = torch.tensor(0.1)
+    message = refused(tensor_option, *batch(0))
+    assert "has weight_decay=tensor(0.1000) (a Tensor)" in message
+    assert "Pass a Python number" in message
+    wide_lr = torch.optim.SGD(model.parameters(), lr=0.1)
+    wide_lr.param_groups[0]["lr"] = torch.tensor([0.1, 0.2])
+    assert "lr is a tensor of shape (2,)" in refused(wide_lr, *batch(0))
+    foreign_state = adam(model)
+    first = next(iter(model.parameters()))
+    foreign_state.state[first] = {"momentum_buffer": torch.zeros_like(first)}
+    message = refused(foreign_state, *batch(0))
+    assert "holds state ['momentum_buffer']" in message
+    assert "keeps the tensors ['step', 'exp_avg', 'exp_avg_sq']" in message
+    x, y = batch(0)
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    with pytest.raises(pg.PrecompileError, match="together with mark_unbacked dims"):
+        pg.precompile(train_step, model, adam(model), x, y, backend="inductor")
+
+    # A step that took its lr from anywhere but the group's tensor would keep it
+    # fixed in the graph. (One that read the tensor with .item() fails in the trace.)
+    def fixed_lr_sgd(
+        params: list[torch.Tensor], grads: list[torch.Tensor], *_: object, **__: object
+    ) -> None:
+        for param, grad in zip(params, grads, strict=True):
+            param.add_(grad, alpha=-0.1)
+
+    monkeypatch.setattr(sys.modules["torch.optim.sgd"], "sgd", fixed_lr_sgd)
+    message = refused(torch.optim.SGD(model.parameters(), lr=0.1), *batch(0))
+    assert "did not read param group 0's lr" in message
+    snapshot.assert_unchanged()
