@@ -231,8 +231,10 @@ class DriverFeatures:
     leaf_layouts: bool
     gradients: bool
     grad_resets: bool
-    # Optimizer arguments whose state and lr the graph takes.
+    # Optimizer arguments whose state and lr the graph takes; an SGD with dampened
+    # momentum among them, whose first step the graph cannot take.
     optimizers: bool
+    dampened_momentum: bool
 
     @property
     def layouts(self) -> bool:
@@ -273,6 +275,12 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         gradients=bool(cap.grad_param_indices),
         grad_resets=bool(cap.grad_resets),
         optimizers=bool(cap.optimizers),
+        dampened_momentum=any(
+            group.options.get("momentum", 0) != 0
+            and group.options.get("dampening", 0) != 0
+            for optimizer in cap.optimizers
+            for group in optimizer.groups
+        ),
     )
 
 

@@ -151,14 +151,19 @@ def all_features_capture(backend: Backend) -> CaptureResult:
         optimizers=[
             OptimizerArgument(
                 position=4,
-                name="Adam",
+                name="SGD",
                 groups=[
-                    ParamGroup([0], {"betas": (0.9, 0.999)}, ("torch.float32", "cpu"))
+                    ParamGroup(
+                        [0],
+                        {"momentum": 0.9, "dampening": 0.1},
+                        ("torch.float32", "cpu"),
+                    )
                 ],
                 steps=True,
                 state=[
-                    OptimizerStateTensor(0, "step", (), "torch.float32", "cpu"),
-                    OptimizerStateTensor(0, "exp_avg", (4, 4), "torch.float32", "cpu"),
+                    OptimizerStateTensor(
+                        0, "momentum_buffer", (4, 4), "torch.float32", "cpu"
+                    ),
                 ],
             )
         ],

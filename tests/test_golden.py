@@ -288,6 +288,7 @@ FEATURE_CODE = {
     "several modules": "f\"module 'm{index}'",
     "nested inputs": "def leaf_paths(",
     "optimizers": "def _check_optimizers(",
+    "dampened momentum": "def _check_fresh_momentum(",
 }
 
 

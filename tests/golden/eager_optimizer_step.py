@@ -796,8 +796,6 @@ def _check_optimizers(
         for index, keys, signatures in layout:
             param_state = state.get(tensors[index])
             if not param_state:
-                if "momentum_buffer" in keys:
-                    _check_fresh_momentum(spec["groups"], index, subject)
                 step.fresh.append(index)
                 continue
             if list(param_state) != keys:
@@ -913,23 +911,6 @@ def _check_gradients(
                     "before the call (optimizer.zero_grad() in the function does it "
                     "at every call)."
                 )
-
-
-def _check_fresh_momentum(
-    traced_groups: list[dict[str, Any]], index: int, subject: str
-) -> None:
-    # A first SGD step copies the gradient into the momentum buffer; the traced step
-    # computes momentum * buffer + (1 - dampening) * gradient, which is that copy
-    # from a zero buffer only without dampening.
-    group = next(g for g in traced_groups if index in g["params"])
-    if group["options"]["dampening"] != 0:
-        _fail(
-            f"{subject} has no momentum buffer yet for the model's "
-            f"{_STATE_NAMES[index]!r}, and its first step with dampening="
-            f"{group['options']['dampening']} differs from the traced one. Take the "
-            "first step eagerly (optimizer.step() after a backward), or build the "
-            "optimizer with dampening=0."
-        )
 
 
 def _check_state_tensor(tensor: object, what: str, signature: _Signature) -> None:
