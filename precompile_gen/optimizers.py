@@ -7,9 +7,9 @@ keeps working without a recapture. While ``fn`` is traced the optimizer steps th
 trace's copies of the parameters and of its state, never the example's own.
 
 The step is traced as torch's ``capturable`` formulation, which keeps the step count
-and the bias corrections in tensors: the default one reads the step count with
-``.item()``, which a trace would freeze into a constant. Both compute the same update
-up to floating-point rounding.
+and the bias corrections in tensors: the default one turns them into Python numbers
+(``.item()``), which a trace cannot follow from one call to the next. Both compute
+the same update up to floating-point rounding.
 
 Any other optimizer stays an opaque argument: ``zero_grad()`` on it is replayed, as
 for every optimizer, and ``step()`` on it is refused (``grad_resets``).
