@@ -262,6 +262,67 @@ def test_frozen_parameters_several_groups_and_batch_norm() -> None:
     run_side_by_side(forward, make_model, make_optimizer, step_lr, train_step, batch)
 
 
+def test_two_modules_each_with_its_optimizer() -> None:
+    def two_optimizers(
+        encoder: nn.Module,
+        encoder_optimizer: torch.optim.Optimizer,
+        head: nn.Module,
+        head_optimizer: torch.optim.Optimizer,
+        x: torch.Tensor,
+        y: torch.Tensor,
+    ) -> torch.Tensor:
+        encoder_optimizer.zero_grad()
+        head_optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(head(torch.relu(encoder(x))), y)
+        loss.backward()
+        encoder_optimizer.step()
+        head_optimizer.step()
+        return loss.detach()
+
+    def models() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        return nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def optimizers(
+        encoder: nn.Module, head: nn.Module
+    ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return (
+            torch.optim.AdamW(encoder.parameters(), lr=0.01),
+            torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9),
+        )
+
+    encoder, head = models()
+    encoder_optimizer, head_optimizer = optimizers(encoder, head)
+    code, cache = pg.precompile(
+        two_optimizers,
+        encoder,
+        encoder_optimizer,
+        head,
+        head_optimizer,
+        *batch(0),
+        backend="eager",
+    )
+    forward = pg.load(code, cache)
+    assert [o["class"] for o in forward.__globals__["OPTIMIZERS"]] == ["AdamW", "SGD"]
+    encoder, head = models()
+    twin_encoder, twin_head = copy.deepcopy(encoder), copy.deepcopy(head)
+    mine, twins = optimizers(encoder, head), optimizers(twin_encoder, twin_head)
+    for seed in range(STEPS):
+        loss = forward(encoder, mine[0], head, mine[1], *batch(seed))
+        expected = two_optimizers(
+            twin_encoder, twins[0], twin_head, twins[1], *batch(seed)
+        )
+        torch.testing.assert_close(loss, expected)
+        assert_same_state(encoder, twin_encoder)
+        assert_same_state(head, twin_head)
+        assert_same_optimizer_state(mine[0], twins[0], encoder, twin_encoder)
+        assert_same_optimizer_state(mine[1], twins[1], head, twin_head)
+    # Each optimizer at the other's position is the wrong class.
+    with pytest.raises(pg.PrecompileError) as info:
+        forward(encoder, mine[1], head, mine[0], *batch(0))
+    assert "argument 1 must be a torch.optim.AdamW" in str(info.value)
+
+
 def test_inductor_with_tied_weights_and_two_groups() -> None:
     def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
         assert isinstance(model, TiedLM)
