@@ -2,8 +2,8 @@
 
     python benchmarks/train_step.py
 
-For two models, the demo CNN (with AdamW) and a small transformer encoder block
-(with AdamW), the same step
+For two models, the demo CNN and a small transformer encoder block, each with the
+demo's AdamW (``demo.optimizer``), the demo's step (``demo.train_step``)
 
     optimizer.zero_grad(); loss = ...; loss.backward(); optimizer.step()
 
@@ -64,23 +64,6 @@ class EncoderBlock(nn.Module):
         return self.head(self.block(tokens).mean(dim=1))
 
 
-def step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-) -> torch.Tensor:
-    optimizer.zero_grad()
-    loss = nn.functional.cross_entropy(model(inputs), labels)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-
-
 def _encoder() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
@@ -98,7 +81,8 @@ def _steppers(
     make: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
 ) -> dict[str, Callable[[], object]]:
     model, inputs, labels = make()
-    code, cache = pg.precompile(step, model, _adamw(model), inputs, labels)
+    step = demo.train_step
+    code, cache = pg.precompile(step, model, demo.optimizer(model), inputs, labels)
     artifact = pg.load(code, cache)
     compiled = torch.compile(step)
     runs: dict[str, Callable[..., object]] = {
@@ -109,7 +93,9 @@ def _steppers(
     steppers: dict[str, Callable[[], object]] = {}
     for system in SYSTEMS:
         own = copy.deepcopy(model)
-        one_step = functools.partial(runs[system], own, _adamw(own), inputs, labels)
+        one_step = functools.partial(
+            runs[system], own, demo.optimizer(own), inputs, labels
+        )
         # Warm up: torch.compile compiles here, and every system creates its
         # optimizer state on its first step.
         for _ in range(3):
