@@ -180,39 +180,33 @@ def _first_state(
     """Copies of ``param``'s state, or what the optimizer's first step creates for it
     (zeros, which the first update treats as eager's fresh state)."""
     name = type(optimizer).__name__
-    if isinstance(optimizer, torch.optim.SGD):
-        fresh = (
-            {
-                "momentum_buffer": torch.zeros_like(
-                    param, memory_format=torch.preserve_format
-                )
-            }
-            if group["momentum"] != 0
-            else {}
-        )
-    else:
-        fresh = {
-            "step": torch.zeros((), dtype=_scalar_dtype(), device=param.device),
-            "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-        }
-        if group["amsgrad"]:
-            fresh["max_exp_avg_sq"] = torch.zeros_like(
-                param, memory_format=torch.preserve_format
-            )
+    keys = _state_keys(optimizer, group)
     existing = optimizer.state.get(param)
     if not existing:
-        return fresh
-    if list(existing) != list(fresh) or not all(
+        return {
+            key: torch.zeros((), dtype=_scalar_dtype(), device=param.device)
+            if key == "step"
+            else torch.zeros_like(param)
+            for key in keys
+        }
+    if list(existing) != keys or not all(
         isinstance(value, torch.Tensor) for value in existing.values()
     ):
         raise PrecompileError(
             f"the optimizer {name} at argument {position} holds state "
             f"{sorted(existing)} for a parameter of shape {tuple(param.shape)}, where "
-            f"its step keeps the tensors {list(fresh)}. Capture with an optimizer "
+            f"its step keeps the tensors {keys}. Capture with an optimizer "
             f"whose state {name} itself created (or a fresh one)."
         )
     return {key: value.detach().clone() for key, value in existing.items()}
+
+
+def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[str]:
+    """The state a step keeps per parameter, in the order its first step creates it."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return ["momentum_buffer"] if group["momentum"] != 0 else []
+    keys = ["step", "exp_avg", "exp_avg_sq"]
+    return [*keys, "max_exp_avg_sq"] if group["amsgrad"] else keys
 
 
 def _scalar_dtype() -> torch.dtype:

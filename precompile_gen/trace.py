@@ -636,13 +636,19 @@ def _as_graph_inputs(
             delattr(gm, str(node.target))
             lifted.append((placeholder.name, tensor.detach()))
     lifted.reverse()
-    # make_fx's code takes one list argument and unpacks it by this spec.
-    codegen = cast(Any, graph._codegen)
-    info = codegen.pytree_info
-    flat = [0] * (len(placeholders) + len(lifted))
-    codegen.pytree_info = info._replace(in_spec=pytree.tree_structure((flat,)))
-    gm.recompile()
+    _unpack_inputs(gm, len(placeholders) + len(lifted))
     return lifted
+
+
+def _unpack_inputs(gm: torch.fx.GraphModule, count: int) -> None:
+    """After placeholders were added or removed: make_fx's code takes one list
+    argument and unpacks it by its in_spec, which must say ``count`` inputs."""
+    codegen = cast(Any, gm.graph._codegen)
+    flat = [0] * count
+    codegen.pytree_info = codegen.pytree_info._replace(
+        in_spec=pytree.tree_structure((flat,))
+    )
+    gm.recompile()
 
 
 def _tensor_origins(
@@ -747,11 +753,7 @@ def _drop_inputs(gm: torch.fx.GraphModule, positions: list[int]) -> None:
     placeholders = list(graph.find_nodes(op="placeholder"))
     for position in positions:
         graph.erase_node(placeholders[position])
-    codegen = cast(Any, graph._codegen)
-    info = codegen.pytree_info
-    flat = [0] * (len(placeholders) - len(positions))
-    codegen.pytree_info = info._replace(in_spec=pytree.tree_structure((flat,)))
-    gm.recompile()
+    _unpack_inputs(gm, len(placeholders) - len(positions))
 
 
 # The ranges torch.profiler records around an optimizer's step: markers for a

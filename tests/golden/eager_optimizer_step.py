@@ -731,13 +731,14 @@ def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
 _OPTIMIZER_CLASSES: list[type[torch.optim.Optimizer]] = [
     getattr(torch.optim, optimizer["class"]) for optimizer in OPTIMIZERS
 ]
-_DTYPES: dict[str, torch.dtype] = {
-    str(dtype): dtype
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-}
 # A state tensor's shape, dtype and device as a matching tensor reports them, so
 # that it costs one comparison.
 _Signature = tuple[torch.Size, Any, torch.device]
+
+
+def _dtype(name: str) -> Any:
+    # "torch.float32" -> torch.float32, as the metadata names dtypes.
+    return getattr(torch, name.removeprefix("torch."), None)
 
 
 def _state_layout(state: list[Any]) -> list[tuple[int, list[str], list[_Signature]]]:
@@ -748,7 +749,7 @@ def _state_layout(state: list[Any]) -> list[tuple[int, list[str], list[_Signatur
         if not layout or layout[-1][0] != index:
             layout.append((index, [], []))
         layout[-1][1].append(key)
-        signature = (torch.Size(shape), _DTYPES.get(dtype), torch.device(device))
+        signature = (torch.Size(shape), _dtype(dtype), torch.device(device))
         layout[-1][2].append(signature)
     return layout
 
@@ -963,9 +964,9 @@ def _optimizer_inputs(
             dtype, device = traced["lr"]
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
-                lrs.append(lr.detach().reshape(()).to(_DTYPES[dtype], device))
+                lrs.append(lr.detach().reshape(()).to(_dtype(dtype), device))
             else:
-                lrs.append(torch.tensor(lr, dtype=_DTYPES[dtype], device=device))
+                lrs.append(torch.tensor(lr, dtype=_dtype(dtype), device=device))
     return state + lrs
 
 
