@@ -475,3 +475,32 @@ def test_precompile_leaves_example_model_untouched(backend: str) -> None:
     torch.testing.assert_close((x, target), inputs_before, rtol=0, atol=0)
     assert grads(model)["0.weight"] is not None
     assert grads(model)["3.weight"] is None
+
+
+def test_eager_driver_runs_the_graph_without_grad_and_restores_the_mode() -> None:
+    python_code, _ = pg.precompile(
+        predict, make_mlp(0), randn(5, 4, seed=1), backend="eager"
+    )
+    namespace: dict[str, object] = {"__name__": "artifact"}
+    exec(compile(python_code, "<artifact>", "exec"), namespace)
+    forward = namespace["forward"]
+    assert callable(forward)
+    model, x = make_mlp(0), randn(5, 4, seed=1)
+    out = forward(model, x)
+    assert isinstance(out, torch.Tensor) and not out.requires_grad
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        forward(model, x)
+        assert not torch.is_grad_enabled()
+
+    modes: list[bool] = []
+
+    def failing_call(flat_inputs: list[object]) -> list[object]:
+        modes.append(torch.is_grad_enabled())
+        raise RuntimeError("the graph failed")
+
+    namespace["call"] = failing_call
+    with pytest.raises(RuntimeError, match="the graph failed"):
+        forward(model, x)
+    assert modes == [False]
+    assert torch.is_grad_enabled()

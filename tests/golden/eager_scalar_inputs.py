@@ -717,9 +717,14 @@ def forward(*args: object, **keywords: object) -> object:
         state = _remember(modules, tensors)
     _check_aliasing(args, state, leaves)
     # The graph already contains the backward ops it needs; recording autograd
-    # history for them would only cost memory.
-    with torch.no_grad():
+    # history for them would only cost memory. Grad mode is switched directly:
+    # entering torch.no_grad() costs more than a small driver's checks.
+    grad_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
         flat_outputs = call([*state.tensors, *leaves])
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
     return pytree.tree_unflatten(flat_outputs, _OUT_SPEC)
 
 

@@ -739,9 +739,14 @@ def forward(*args: object, **keywords: object) -> object:
         state = _remember(modules, tensors)
     _check_aliasing(args, state, leaves)
     # The graph already contains the backward ops it needs; recording autograd
-    # history for them would only cost memory.
-    with torch.no_grad():
+    # history for them would only cost memory. Grad mode is switched directly:
+    # entering torch.no_grad() costs more than a small driver's checks.
+    grad_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
         flat_outputs = call([*state.tensors, *leaves])
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
     num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
     _add_gradients(state.tensors, flat_outputs[num_results:])
     return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
