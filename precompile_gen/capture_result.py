@@ -47,6 +47,8 @@ METADATA_NAMES: tuple[str, ...] = (
     "MODULE_POSITIONS",
     "NUM_POSITIONAL_ARGS",
     "MODULE_TRAINING",
+    "MODULE_HOOKS",
+    "GLOBAL_MODULE_HOOKS",
     "PARAM_NAMES",
     "BUFFER_NAMES",
     "PARAM_SHAPES",
@@ -87,6 +89,11 @@ class ModuleArgument(NamedTuple):
     # the trace took the branches of that mode (batch statistics or running ones,
     # dropout or none), so the driver holds the runtime model to it.
     training: list[bool]
+    # How many hooks of each kind its modules had at the call, by module name ("" for
+    # itself), for those that had any: the trace ran them, so their effect is built
+    # into the graph, and a hook added since would not run. The driver holds the
+    # runtime model to the same counts.
+    hooks: dict[str, dict[str, int]]
 
 
 class OptimizerStateTensor(NamedTuple):
@@ -204,6 +211,9 @@ class CaptureResult:
     fn_name: str
     num_positional_args: int
     modules: list[ModuleArgument]
+    # How many of torch's global module hooks of each kind were registered at the
+    # call (``register_module_forward_hook`` and its kin): they ran for every module.
+    global_module_hooks: dict[str, int]
     optimizers: list[OptimizerArgument]
     # Graph inputs first: the modules' parameters, then their buffers.
     params: list[StateTensor]
@@ -247,6 +257,8 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "MODULE_POSITIONS": [module.position for module in cap.modules],
         "NUM_POSITIONAL_ARGS": cap.num_positional_args,
         "MODULE_TRAINING": [module.training for module in cap.modules],
+        "MODULE_HOOKS": [module.hooks for module in cap.modules],
+        "GLOBAL_MODULE_HOOKS": cap.global_module_hooks,
         "PARAM_NAMES": [t.name for t in params],
         "BUFFER_NAMES": [t.name for t in buffers],
         "PARAM_SHAPES": [t.shape for t in params],

@@ -27,7 +27,14 @@ def _driver_code() -> dict[str, Any]:
     from precompile_gen.render import environment
 
     macros = environment().get_template("driver/convention.py.j2").module
-    names = ("named_members", "module_state", "leaf_names", "leaf_paths", "reset_grad")
+    names = (
+        "named_members",
+        "module_state",
+        "module_hooks",
+        "leaf_names",
+        "leaf_paths",
+        "reset_grad",
+    )
     text = _PRELUDE + "".join(f"\n\n{getattr(macros, name)()}" for name in names)
     namespace: dict[str, Any] = {"__name__": "precompile_gen_convention"}
     exec(compile(text, "<templates/driver/convention.py.j2>", "exec"), namespace)
@@ -49,6 +56,17 @@ def module_state(
     """The graph's leading inputs: the modules' parameters, then their buffers, each
     tensor once; their names (PARAM_NAMES + BUFFER_NAMES); how many are parameters."""
     return _driver_code()["module_state"](modules)
+
+
+def module_hooks(module: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """How many hooks of each kind ``module`` and its submodules have, by module name
+    ("" for ``module`` itself), for the modules that have any."""
+    return _driver_code()["module_hooks"](module)
+
+
+def global_module_hooks() -> dict[str, int]:
+    """How many hooks of each kind are registered for every module."""
+    return _driver_code()["global_module_hooks"]()
 
 
 def leaf_names(positions: list[int], arguments: tuple[object, ...]) -> list[str]:

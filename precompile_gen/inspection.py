@@ -161,12 +161,13 @@ def format_report(report: dict[str, Any]) -> str:
     out.append("modules")
     out.extend(
         _table(
-            ["argument", "names", "mode", "parameters", "buffers", "elements"],
+            ["argument", "names", "mode", "hooks", "parameters", "buffers", "elements"],
             [
                 [
                     str(m["position"]),
                     f"{m['prefix']}*",
                     str(m["mode"]),
+                    str(m["hooks"]),
                     str(m["parameters"]),
                     str(m["buffers"]),
                     f"{m['elements']:,}",
@@ -409,6 +410,7 @@ def _optimizers(metadata: dict[str, object]) -> list[dict[str, object]]:
 def _modules(metadata: dict[str, object]) -> list[dict[str, object]]:
     positions = cast(list[int], metadata["MODULE_POSITIONS"])
     modes = cast(list[list[bool]], metadata["MODULE_TRAINING"])
+    hooks = cast(list[dict[str, dict[str, int]]], metadata["MODULE_HOOKS"])
     state = _module_state(metadata)
     modules: list[dict[str, object]] = []
     for index, position in enumerate(positions):
@@ -419,6 +421,11 @@ def _modules(metadata: dict[str, object]) -> list[dict[str, object]]:
                 "position": position,
                 "prefix": prefix,
                 "mode": _mode(modes[index] if index < len(modes) else []),
+                # The hooks the trace ran on its modules, all kinds together.
+                "hooks": sum(
+                    sum(counts.values())
+                    for counts in (hooks[index] if index < len(hooks) else {}).values()
+                ),
                 "parameters": sum(s["kind"] == "parameter" for s in mine),
                 "buffers": sum(s["kind"] == "buffer" for s in mine),
                 "elements": sum(_elements(cast(list[int], s["shape"])) for s in mine),

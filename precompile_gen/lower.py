@@ -72,6 +72,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         fn_name=traced.fn_name,
         num_positional_args=traced.num_positional_args,
         modules=traced.modules,
+        global_module_hooks=traced.global_module_hooks,
         optimizers=traced.optimizers,
         params=lifted[: state.num_params],
         buffers=lifted[state.num_params :],

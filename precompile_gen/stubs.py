@@ -99,7 +99,8 @@ def stub_capture(backend: Backend) -> CaptureResult:
         backend=backend,
         fn_name="train_step",
         num_positional_args=2,
-        modules=[ModuleArgument(position=0, training=[True])],
+        modules=[ModuleArgument(position=0, training=[True], hooks={})],
+        global_module_hooks={},
         optimizers=[],
         params=[
             StateTensor("weight", (4, 4), (4, 1), "torch.float32", "cpu", True),
@@ -147,7 +148,12 @@ def all_features_capture(backend: Backend) -> CaptureResult:
     return dataclasses.replace(
         stub,
         num_positional_args=5,
-        modules=[*stub.modules, ModuleArgument(position=2, training=[False])],
+        modules=[
+            *stub.modules,
+            ModuleArgument(
+                position=2, training=[False], hooks={"": {"forward pre-hook": 1}}
+            ),
+        ],
         optimizers=[
             OptimizerArgument(
                 position=4,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from precompile_gen.errors import (
     PrecompileNotImplementedError,
     PrecompileValueError,
 )
+
+log = logging.getLogger(__name__)
 
 
 def function_name(fn: object) -> str:
@@ -97,6 +100,7 @@ class TracedGraph:
     fn_name: str
     num_positional_args: int
     modules: list[ModuleArgument]
+    global_module_hooks: dict[str, int]
     optimizers: list[OptimizerArgument]
     state: ModuleState
     aliased_inputs: list[AliasGroup]
@@ -112,6 +116,29 @@ class TracedGraph:
     out_spec: pytree.TreeSpec
     # Strides as the example had them; lowering keeps those the graph depends on.
     leaves: list[InputLeaf]
+
+
+def _warn_of_hooks(
+    module_hooks: list[dict[str, dict[str, int]]], global_module_hooks: dict[str, int]
+) -> None:
+    # A hook's tensor computations are traced into the graph (spectral_norm's and
+    # pruning's pre-hooks compute the weight), but the artifact never calls the hook
+    # itself: what it does besides (recording activations, logging) happens once,
+    # now. Worth a word, not a refusal.
+    hooked = [
+        f"{'m' + str(index) + '.' if len(module_hooks) > 1 else ''}{name or '<root>'}"
+        for index, hooks in enumerate(module_hooks)
+        for name in hooks
+    ]
+    if global_module_hooks:
+        hooked.append("every module (global module hooks)")
+    if hooked:
+        log.warning(
+            "module hooks are traced into the graph, and the artifact never calls "
+            "them: what they compute on tensors is built in, but anything else they "
+            "do (recording, logging) happens only now, at capture. Hooked: %s.",
+            ", ".join(hooked),
+        )
 
 
 def lift_module_state(modules: list[torch.nn.Module]) -> ModuleState:
@@ -150,6 +177,10 @@ def trace(
     # modes a call arrives with.
     submodules = [list(module.named_modules()) for module in modules]
     module_training = [[m.training for _, m in named] for named in submodules]
+    # The hooks the trace runs are built into the graph: each call must bring the same.
+    module_hooks = [convention.module_hooks(module) for module in modules]
+    global_module_hooks = convention.global_module_hooks()
+    _warn_of_hooks(module_hooks, global_module_hooks)
     state = lift_module_state(modules)
     lifted_optimizers = [
         optimizers.lift(
@@ -298,11 +329,12 @@ def trace(
         fn_name=fn_name,
         num_positional_args=len(example_inputs),
         modules=[
-            ModuleArgument(position, training)
-            for position, training in zip(
-                module_positions, module_training, strict=True
+            ModuleArgument(position, training, hooks)
+            for position, training, hooks in zip(
+                module_positions, module_training, module_hooks, strict=True
             )
         ],
+        global_module_hooks=global_module_hooks,
         optimizers=optimizer_arguments,
         state=state,
         aliased_inputs=aliased_inputs,

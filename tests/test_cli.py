@@ -348,7 +348,8 @@ def test_inspect_shows_the_mode_each_module_was_traced_in() -> None:
         "mixed (3 of 4 modules training)",
         "eval",
     ]
-    assert re.search(r"\n  2\s+m1\.\*\s+eval\s+2\s+0\s+21", format_report(report))
+    # Argument, names, mode, hooks, parameters, buffers, elements.
+    assert re.search(r"\n  2\s+m1\.\*\s+eval\s+0\s+2\s+0\s+21", format_report(report))
 
 
 def test_inspect_counts_kernels_by_kind_from_code_not_strings() -> None:

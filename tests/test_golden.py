@@ -103,7 +103,8 @@ def inductor_inference() -> pg.CaptureResult:
         fn_name="predict",
         num_positional_args=2,
         # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
-        modules=[ModuleArgument(position=0, training=[True] * 4)],
+        modules=[ModuleArgument(position=0, training=[True] * 4, hooks={})],
+        global_module_hooks={},
         optimizers=[],
         params=[
             StateTensor(name, shape, stride, "torch.float32", "cpu", True)

@@ -166,6 +166,9 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "NUM_POSITIONAL_ARGS": 3,
         # Net, lin and bn, all in training mode as constructed.
         "MODULE_TRAINING": [[True, True, True]],
+        # No hooks on its modules, nor global module hooks.
+        "MODULE_HOOKS": [{}],
+        "GLOBAL_MODULE_HOOKS": {},
         "PARAM_NAMES": ["lin.weight", "lin.bias", "bn.weight", "bn.bias"],
         "BUFFER_NAMES": ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"],
         "PARAM_SHAPES": [(3, 4), (3,), (3,), (3,)],
@@ -203,6 +206,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "MODULE_POSITIONS",
         "NUM_POSITIONAL_ARGS",
         "MODULE_TRAINING",
+        "MODULE_HOOKS",
+        "GLOBAL_MODULE_HOOKS",
         "PARAM_NAMES",
         "BUFFER_NAMES",
         "PARAM_SHAPES",

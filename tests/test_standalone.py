@@ -173,7 +173,10 @@ def hand_built_capture() -> pg.CaptureResult:
         stub_capture("eager"),
         fn_name="hand_built",
         num_positional_args=3,
-        modules=[ModuleArgument(0, [True]), ModuleArgument(2, [False, True])],
+        modules=[
+            ModuleArgument(0, [True], {}),
+            ModuleArgument(2, [False, True], {"1": {"forward hook": 2}}),
+        ],
         params=[
             StateTensor("m0.w\u00e9ight", (4, 4), (4, 1), "torch.float32", "cpu", True),
             StateTensor("m1.bias", (4,), (1,), "torch.bfloat16", "cpu", True),

@@ -311,6 +311,11 @@ NUM_POSITIONAL_ARGS: int = 2
 # Per module argument: the `training` flag of each of its modules() at the traced call
 # (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
 MODULE_TRAINING: list[list[bool]] = [[True, True, True, True]]
+# Per module argument: how many hooks of each kind its modules had at the traced call,
+# by module name ("" for itself); and how many global module hooks there were. The
+# trace ran them, so the graph has their effect built in and runs no other hook.
+MODULE_HOOKS: list[dict[str, dict[str, int]]] = [{}]
+GLOBAL_MODULE_HOOKS: dict[str, int] = {}
 # All modules' parameters, then all modules' buffers, in named_parameters() /
 # named_buffers() order, each tensor once (a tied weight appears under its first name).
 # With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
@@ -381,6 +386,7 @@ from typing import Any, NoReturn, cast
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 
 class PrecompileError(RuntimeError):
@@ -570,6 +576,42 @@ def module_state(
     return tensors, names, num_params
 
 
+# The hooks nn.Module runs around a module's forward and backward, by kind, and the
+# attribute (on each module, and global in torch.nn.modules.module) holding them.
+_HOOK_KINDS: dict[str, str] = {
+    "forward pre-hook": "forward_pre_hooks",
+    "forward hook": "forward_hooks",
+    "backward pre-hook": "backward_pre_hooks",
+    "backward hook": "backward_hooks",
+}
+
+
+def module_hooks(module: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """How many hooks of each kind ``module`` and its submodules have, by module name
+    ("" for ``module`` itself), for the modules that have any."""
+    hooks: dict[str, dict[str, int]] = {}
+    for name, submodule in module.named_modules():
+        counts = {
+            kind: len(registered)
+            for kind, attribute in _HOOK_KINDS.items()
+            if (registered := getattr(submodule, f"_{attribute}"))
+        }
+        if counts:
+            hooks[name] = counts
+    return hooks
+
+
+def global_module_hooks() -> dict[str, int]:
+    """How many hooks of each kind are registered for every module
+    (``torch.nn.modules.module.register_module_forward_hook`` and its kin)."""
+    registry = vars(torch.nn.modules.module)
+    return {
+        kind: len(registered)
+        for kind, attribute in _HOOK_KINDS.items()
+        if (registered := registry[f"_global_{attribute}"])
+    }
+
+
 def _check_module_state(
     modules: list[torch.nn.Module], tensors: list[torch.Tensor], names: list[str]
 ) -> None:
@@ -616,6 +658,14 @@ def _check_module_state(
     for index, (module, traced_modes) in enumerate(zip(modules, MODULE_TRAINING)):
         if [m.training for m in module.modules()] != traced_modes:
             _fail(_describe_mode_difference(index, module, traced_modes))
+    for index, (module, traced_hooks) in enumerate(zip(modules, MODULE_HOOKS)):
+        hooks = module_hooks(module)
+        if hooks != traced_hooks:
+            _fail(_describe_hook_difference(index, module, hooks, traced_hooks))
+    global_hooks = global_module_hooks()
+    if global_hooks != GLOBAL_MODULE_HOOKS:
+        traced = {"": GLOBAL_MODULE_HOOKS}
+        _fail(_describe_hook_difference(0, None, {"": global_hooks}, traced))
 
 
 def _describe_state_difference(modules: list[torch.nn.Module], names: list[str]) -> str:
@@ -678,6 +728,40 @@ def _describe_mode_difference(
         f"{then} mode with .{'train' if was_training else 'eval'}(), or capture "
         f"again with it in {now} mode."
     )
+
+
+def _describe_hook_difference(
+    index: int,
+    module: torch.nn.Module | None,
+    hooks: dict[str, dict[str, int]],
+    traced_hooks: dict[str, dict[str, int]],
+) -> str:
+    # Error path only: name the first module and kind of hook that differs; without
+    # a module, torch's global module hooks.
+    name, kind, now, then = next(
+        (name, kind, now, then)
+        for name in [*traced_hooks, *hooks]
+        for kind in _HOOK_KINDS
+        if (now := hooks.get(name, {}).get(kind, 0))
+        != (then := traced_hooks.get(name, {}).get(kind, 0))
+    )
+    if module is None:
+        subject = "torch's global module hooks (register_module_"
+        subject += f"{_HOOK_KINDS[kind][:-1]}) include"
+    else:
+        subject = f"module {name!r}" if name else "the model"
+        subject += f" ({type(module.get_submodule(name)).__name__}) has"
+    return (
+        f"{subject} {_hook_count(now, kind)} in this call, but "
+        f"{_hook_count(then, kind)} when the function was traced: the graph has the "
+        "hooks the traced call ran built in, and runs no other. Register the same "
+        "hooks as at capture (remove others with their handle's remove()), or "
+        "capture again with these."
+    )
+
+
+def _hook_count(count: int, kind: str) -> str:
+    return f"{count or 'no'} {kind}{'' if count == 1 else 's'}"
 
 
 class _CheckedState:
@@ -816,13 +900,16 @@ def _layout_message(what: str, tensor: torch.Tensor, strides: tuple[int, ...]) -
 # a `training` flag included, changes one); each tensor's dtype, device, shape,
 # strides and requires_grad (``.to()``, ``.data = ...`` and ``requires_grad_()``
 # change those in place, torch's TensorGuards compares them); and each tensor's data
-# pointer (``.data = ...`` with the same shape moves only that). A call that any
-# signal fails gets the full check again.
+# pointer (``.data = ...`` with the same shape moves only that); and for the hooks,
+# the id the next hook handle will take (registering any hook takes one) and the
+# version tags of the dicts that held hooks (removing one changes its dict). A call
+# that any signal fails gets the full check again.
 _MEMBER_DICTS = attrgetter("__dict__", "_parameters", "_buffers", "_modules")
 # The full check enumerates exactly those dicts' members, unless a module overrides
 # how nn.Module enumerates them.
 _ENUMERATORS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
 _DATA_PTR = torch.Tensor.data_ptr
+_HOOK_DICTS = attrgetter(*[f"_{attribute}" for attribute in _HOOK_KINDS.values()])
 try:
     from torch._C._dynamo.guards import TensorGuards, dict_version
 except ImportError:  # internal to torch: without them, every call gets the full check
@@ -841,6 +928,16 @@ class _Remembered:
         self.module_refs = [weakref.ref(module, _forget) for module in modules]
         everything = [sub for module in modules for sub in module.modules()]
         self.dicts = [d for m in everything for d in _MEMBER_DICTS(m)]
+        self.dicts += [d for m in everything for d in _HOOK_DICTS(m) if d]
+        registry = vars(torch.nn.modules.module)
+        self.dicts += [
+            hooks
+            for attribute in _HOOK_KINDS.values()
+            if (hooks := registry[f"_global_{attribute}"])
+        ]
+        # Rebinding one of those globals changes the module's own dict.
+        self.dicts.append(registry)
+        self.next_handle_id = RemovableHandle.next_id
         self.versions = list(map(dict_version, self.dicts))
         self.state = state
         tensors = self.tensors = state.tensors
@@ -858,7 +955,8 @@ class _Remembered:
             if ref() is not module:
                 return False
         return (
-            list(map(dict_version, self.dicts)) == self.versions
+            RemovableHandle.next_id == self.next_handle_id
+            and list(map(dict_version, self.dicts)) == self.versions
             and bool(self.tensor_guard.check(*self.tensors))
             and list(map(_DATA_PTR, self.tensors)) == self.data_ptrs
         )
