@@ -225,3 +225,24 @@ def test_spectral_norm_hooks_match_eager() -> None:
         {name: p.grad for name, p in artifact_model.named_parameters()},
         {name: p.grad for name, p in eager_model.named_parameters()},
     )
+
+
+def test_pruning_hooks_match_eager() -> None:
+    # torch.nn.utils.prune computes the weight from weight_orig and a mask buffer in
+    # a forward pre-hook.
+    def pruned() -> nn.Sequential:
+        model = make_mlp()
+        nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
+        return model
+
+    forward = load(train_step, pruned())
+    eager_model, artifact_model = pruned(), pruned()
+    for step in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        torch.testing.assert_close(
+            forward(artifact_model, x), train_step(eager_model, x)
+        )
+    torch.testing.assert_close(
+        {name: p.grad for name, p in artifact_model.named_parameters()},
+        {name: p.grad for name, p in eager_model.named_parameters()},
+    )
