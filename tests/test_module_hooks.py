@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import precompile_gen as pg
 from precompile_gen.inspection import format_report, inspect_artifact
@@ -232,7 +233,7 @@ def test_pruning_hooks_match_eager() -> None:
     # a forward pre-hook.
     def pruned() -> nn.Sequential:
         model = make_mlp()
-        nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
+        prune.l1_unstructured(model[0], "weight", amount=0.5)
         return model
 
     forward = load(train_step, pruned())
