@@ -106,6 +106,9 @@ class OptimizerStateTensor(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     device: str
+    # As for the module state: the strides the compiled graph depends on (inductor
+    # asserts them, possibly after updating parameters), None where it does not.
+    stride: tuple[int, ...] | None
 
 
 class ParamGroup(NamedTuple):

@@ -45,12 +45,16 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         graph_source, rewritten_imports = _rewrite_imports(graph_source)
         graph_imports, graph_in_spec, graph_out_spec = [], None, None
     state = traced.state
+    # One per graph input before the lrs: the module state, the input leaves, then
+    # the optimizers' state.
     strides: list[tuple[int, ...] | None] = [
         tuple(t.stride()) for t in state.tensors
     ] + [leaf.stride for leaf in traced.leaves]
+    strides += [t.stride for optimizer in traced.optimizers for t in optimizer.state]
     if backend == "inductor":
         strides = _layout_dependent(strides, graph_source, traced)
     num_state = len(state.tensors)
+    optimizer_strides = iter(strides[num_state + len(traced.leaves) :])
     lifted = [
         StateTensor(
             name=name,
@@ -73,7 +77,14 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         num_positional_args=traced.num_positional_args,
         modules=traced.modules,
         global_module_hooks=traced.global_module_hooks,
-        optimizers=traced.optimizers,
+        optimizers=[
+            optimizer._replace(
+                state=[
+                    t._replace(stride=next(optimizer_strides)) for t in optimizer.state
+                ]
+            )
+            for optimizer in traced.optimizers
+        ],
         params=lifted[: state.num_params],
         buffers=lifted[state.num_params :],
         grad_param_indices=traced.grad_param_indices,
@@ -82,7 +93,11 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         out_spec=out_spec,
         leaves=[
             leaf._replace(stride=stride)
-            for leaf, stride in zip(traced.leaves, strides[num_state:], strict=True)
+            for leaf, stride in zip(
+                traced.leaves,
+                strides[num_state : num_state + len(traced.leaves)],
+                strict=True,
+            )
         ],
         aliased_inputs=traced.aliased_inputs,
         graph=CompiledGraph(

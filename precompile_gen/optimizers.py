@@ -105,6 +105,7 @@ def lift(
                         tuple(tensor.shape),
                         str(tensor.dtype),
                         str(tensor.device),
+                        tuple(tensor.stride()),
                     )
                 )
                 tensors.append(tensor)

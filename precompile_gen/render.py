@@ -270,7 +270,14 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         shared_sizes=any(leaf.symbols for leaf in leaves),
         aliasing=bool(cap.aliased_inputs),
         state_layouts=inductor
-        and any(t.stride is not None for t in [*cap.params, *cap.buffers]),
+        and any(
+            t.stride is not None
+            for t in [
+                *cap.params,
+                *cap.buffers,
+                *[t for optimizer in cap.optimizers for t in optimizer.state],
+            ]
+        ),
         leaf_layouts=inductor and any(leaf.stride is not None for leaf in leaves),
         gradients=bool(cap.grad_param_indices),
         grad_resets=bool(cap.grad_resets),

@@ -168,7 +168,7 @@ def all_features_capture(backend: Backend) -> CaptureResult:
                 steps=True,
                 state=[
                     OptimizerStateTensor(
-                        0, "momentum_buffer", (4, 4), "torch.float32", "cpu"
+                        0, "momentum_buffer", (4, 4), "torch.float32", "cpu", (4, 1)
                     ),
                 ],
             )

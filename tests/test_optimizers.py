@@ -520,6 +520,37 @@ def test_state_of_another_layout_is_rejected(adam_step: Callable[..., object]) -
     assert "holds the state ['step', 'exp_avg'] for the model's '0.weight'" in message
 
 
+def test_state_in_another_memory_layout_is_rejected_on_inductor() -> None:
+    forward = precompiled(mlp, adam, train_step, batch(0), "inductor")
+    model = mlp()
+    optimizer = stepped_adam(model)
+    first, *others = model.parameters()
+    # Only the first parameter has state, its exp_avg laid out transposed. Inductor
+    # asserts that layout only after kernels that update parameters in place, so the
+    # driver checks it first, before creating the others' first-step state.
+    for param in others:
+        del optimizer.state[param]
+    exp_avg = optimizer.state[first]["exp_avg"]
+    optimizer.state[first]["exp_avg"] = exp_avg.t().contiguous().t()
+    message = rejected(forward, model, optimizer, *batch(1))
+    assert (
+        "the Adam at argument 1's state 'exp_avg' of the model's '0.weight' has "
+        "strides (1, 8), but the example had (4, 1)"
+    ) in message
+    assert "Pass it in the example's layout" in message
+    assert list(optimizer.state) == [first]
+    # With the layout restored, the same call steps as eager does.
+    optimizer.state[first]["exp_avg"] = exp_avg
+    twin, twin_optimizer = copy.deepcopy((model, optimizer))
+    torch.testing.assert_close(
+        forward(model, optimizer, *batch(1)),
+        train_step(twin, twin_optimizer, *batch(1)),
+    )
+    torch.testing.assert_close(
+        dict(model.named_parameters()), dict(twin.named_parameters())
+    )
+
+
 def test_a_stale_gradient_is_rejected() -> None:
     # Without zero_grad() in the function, eager would step with the sum of the old
     # and the new gradient; the traced step saw the new one alone.

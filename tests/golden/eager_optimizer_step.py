@@ -195,8 +195,9 @@ KERNEL_SOURCES: dict[str, str] = {}
 # function calls its step(); per param group the parameters it holds (indices into
 # PARAM_NAMES), the values the step was traced with, which each call must keep, and
 # the (dtype, device) of the lr tensor each call passes; and the (parameter index,
-# key, shape, dtype, device) of each state tensor, graph inputs after the input
-# leaves, followed by one lr per group.
+# key, shape, dtype, device, strides) of each state tensor (strides as the *_STRIDES
+# constants have them), graph inputs after the input leaves, followed by one lr per
+# group.
 OPTIMIZERS: list[dict[str, "Any"]] = [
     {
         "class": "SGD",
@@ -218,10 +219,10 @@ OPTIMIZERS: list[dict[str, "Any"]] = [
         ],
         "position": 1,
         "state": [
-            (0, "momentum_buffer", (8, 4), "torch.float32", "cpu"),
-            (1, "momentum_buffer", (8,), "torch.float32", "cpu"),
-            (2, "momentum_buffer", (2, 8), "torch.float32", "cpu"),
-            (3, "momentum_buffer", (2,), "torch.float32", "cpu"),
+            (0, "momentum_buffer", (8, 4), "torch.float32", "cpu", (4, 1)),
+            (1, "momentum_buffer", (8,), "torch.float32", "cpu", (1,)),
+            (2, "momentum_buffer", (2, 8), "torch.float32", "cpu", (8, 1)),
+            (3, "momentum_buffer", (2,), "torch.float32", "cpu", (1,)),
         ],
         "steps": True,
     }
@@ -843,7 +844,7 @@ def _state_layout(state: list[Any]) -> list[tuple[int, list[str], list[_Signatur
     """Per parameter with state (index into PARAM_NAMES): its keys, in the order the
     step creates them, and each tensor's signature."""
     layout: list[tuple[int, list[str], list[_Signature]]] = []
-    for index, key, shape, dtype, device in state:
+    for index, key, shape, dtype, device, _ in state:
         if not layout or layout[-1][0] != index:
             layout.append((index, [], []))
         layout[-1][1].append(key)
