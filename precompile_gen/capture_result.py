@@ -49,6 +49,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "MODULE_TRAINING",
     "MODULE_HOOKS",
     "GLOBAL_MODULE_HOOKS",
+    "PYTHON_VALUES",
     "PARAM_NAMES",
     "BUFFER_NAMES",
     "PARAM_SHAPES",
@@ -78,7 +79,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "OPTIMIZERS",
 )
 # Emitted only by captures that have them; an artifact without one has none.
-OPTIONAL_METADATA: dict[str, object] = {"OPTIMIZERS": []}
+OPTIONAL_METADATA: dict[str, object] = {"PYTHON_VALUES": [], "OPTIMIZERS": []}
 
 
 class ModuleArgument(NamedTuple):
@@ -155,6 +156,20 @@ class StateTensor(NamedTuple):
     requires_grad: bool
 
 
+class PythonValue(NamedTuple):
+    """A plain Python value the traced code read and built into the graph (a module's
+    ``temperature``, a config flag, a global), by where it was read."""
+
+    # From a module argument ("argument 0: .blocks.2.attn.temperature"), a module's
+    # globals ("global SCALE (module __main__)", then any accessors), or the traced
+    # function's own closure ("closure variable scale of step"), which no call can
+    # check: the artifact is not given the function.
+    path: str
+    # Its ``repr`` at capture: the driver compares the current value's ``repr``, which
+    # tells 1 from 1.0 and True, and names enums and dtypes.
+    value: str
+
+
 class InputLeaf(NamedTuple):
     """One leaf of the flattened non-module arguments; a non-tensor leaf has no
     shape, dtype, device, bounds, stride or symbols."""
@@ -217,6 +232,9 @@ class CaptureResult:
     # How many of torch's global module hooks of each kind were registered at the
     # call (``register_module_forward_hook`` and its kin): they ran for every module.
     global_module_hooks: dict[str, int]
+    # The Python values the trace read (module and config attributes, globals), each
+    # built into the graph: the driver holds every call to them.
+    python_values: list[PythonValue]
     optimizers: list[OptimizerArgument]
     # Graph inputs first: the modules' parameters, then their buffers.
     params: list[StateTensor]
@@ -262,6 +280,7 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "MODULE_TRAINING": [module.training for module in cap.modules],
         "MODULE_HOOKS": [module.hooks for module in cap.modules],
         "GLOBAL_MODULE_HOOKS": cap.global_module_hooks,
+        "PYTHON_VALUES": [tuple(value) for value in cap.python_values],
         "PARAM_NAMES": [t.name for t in params],
         "BUFFER_NAMES": [t.name for t in buffers],
         "PARAM_SHAPES": [t.shape for t in params],

@@ -77,6 +77,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         num_positional_args=traced.num_positional_args,
         modules=traced.modules,
         global_module_hooks=traced.global_module_hooks,
+        python_values=traced.python_values,
         optimizers=[
             optimizer._replace(
                 state=[

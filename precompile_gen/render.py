@@ -221,6 +221,8 @@ class DriverFeatures:
     non_tensor_leaves: bool
     # bool/int/float/str leaves built into the graph.
     values: bool
+    # Python values the trace read (module attributes, globals) built into the graph.
+    python_values: bool
     # mark_unbacked dims: their bounds, and dims that must share a size.
     dynamic_dims: bool
     shared_sizes: bool
@@ -266,6 +268,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         and all(leaf.shape is not None for leaf in leaves),
         non_tensor_leaves=any(leaf.shape is None for leaf in leaves),
         values=any(leaf.value is not None for leaf in leaves),
+        python_values=bool(cap.python_values),
         dynamic_dims=any(leaf.bounds for leaf in leaves),
         shared_sizes=any(leaf.symbols for leaf in leaves),
         aliasing=bool(cap.aliased_inputs),

@@ -23,6 +23,7 @@ from precompile_gen.capture_result import (
     OptimizerArgument,
     OptimizerStateTensor,
     ParamGroup,
+    PythonValue,
     StateTensor,
     TensorLiteral,
 )
@@ -101,6 +102,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         num_positional_args=2,
         modules=[ModuleArgument(position=0, training=[True], hooks={})],
         global_module_hooks={},
+        python_values=[],
         optimizers=[],
         params=[
             StateTensor("weight", (4, 4), (4, 1), "torch.float32", "cpu", True),
@@ -148,6 +150,10 @@ def all_features_capture(backend: Backend) -> CaptureResult:
     return dataclasses.replace(
         stub,
         num_positional_args=5,
+        python_values=[
+            PythonValue("argument 0: .blocks.2.temperature", "2.0"),
+            PythonValue("global SCALE (module __main__)", "1.0"),
+        ],
         modules=[
             *stub.modules,
             ModuleArgument(

@@ -32,6 +32,7 @@ from precompile_gen import (
     dynamic_dims,
     grad_resets,
     optimizers,
+    python_state,
 )
 from precompile_gen.capture_result import (
     AliasGroup,
@@ -40,6 +41,7 @@ from precompile_gen.capture_result import (
     LeafValue,
     ModuleArgument,
     OptimizerArgument,
+    PythonValue,
     Shape,
     check_backend,
 )
@@ -101,6 +103,7 @@ class TracedGraph:
     num_positional_args: int
     modules: list[ModuleArgument]
     global_module_hooks: dict[str, int]
+    python_values: list[PythonValue]
     optimizers: list[OptimizerArgument]
     state: ModuleState
     aliased_inputs: list[AliasGroup]
@@ -165,6 +168,8 @@ def trace(
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
     fn_name = function_name(fn)
+    # First, on copies: refuses Python effects before the trace would make them.
+    python_values = python_state.observe(fn, example_inputs)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
@@ -268,7 +273,12 @@ def trace(
     try:
         # Grad mode on, so a backward inside fn is recorded as graph ops.
         mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
-        with torch.enable_grad(), mode, _compiling():
+        with (
+            torch.enable_grad(),
+            mode,
+            _compiling(),
+            python_state.refusing_python_rng(fn),
+        ):
             gm = make_fx(
                 flat_fn,
                 decomposition_table=decompositions,
@@ -335,6 +345,7 @@ def trace(
             )
         ],
         global_module_hooks=global_module_hooks,
+        python_values=python_values,
         optimizers=optimizer_arguments,
         state=state,
         aliased_inputs=aliased_inputs,

@@ -105,6 +105,7 @@ def inductor_inference() -> pg.CaptureResult:
         # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
         modules=[ModuleArgument(position=0, training=[True] * 4, hooks={})],
         global_module_hooks={},
+        python_values=[],
         optimizers=[],
         params=[
             StateTensor(name, shape, stride, "torch.float32", "cpu", True)

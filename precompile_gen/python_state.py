@@ -1,0 +1,527 @@
+"""Python state: the values a trace reads and specialises on, the writes it refuses.
+
+make_fx records only tensor operations: a Python value the traced code reads (a
+module's ``temperature``, a config flag, a global ``SCALE``, ``nn.Dropout.p``) is
+built into the graph as a constant, and a Python effect (a counter incremented, an
+entry appended, a global rebound, a draw from ``random`` or NumPy) happens once, at
+capture. Neither shows in the graph, so neither is visible to the driver.
+
+What was read is learnt from Dynamo's guards, gathered over one extra run of ``fn`` at
+capture on deep copies of the arguments, with numbers specialised as make_fx does:
+each guard that pins a plain value says where the value came from (its source) and
+what it was. Dynamo also tracks every mutation of an object that existed before the
+call, which is how effects are found, before the frame that makes them runs. The
+loading process never sees Dynamo: it reads the values by their paths
+(``convention.python_value_paths``) and compares their ``repr``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import enum
+import logging
+import random
+import re
+import sys
+import types
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from precompile_gen.capture_result import PythonValue
+from precompile_gen.errors import PrecompileError
+
+log = logging.getLogger(__name__)
+
+# Whose module globals are the library's own state, not the program's: torch reads
+# its flags and registries on every call, and the other checks cover what matters
+# of them (modes, hooks, grad mode).
+_LIBRARY_MODULES = ("torch", "precompile_gen")
+# Where a frame is not the user's: the line named in a message is the innermost
+# frame outside these.
+_LIBRARY_FILES = tuple(
+    str(module.__file__).rsplit("/", 1)[0] + "/"
+    for module in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
+)
+
+
+@dataclass
+class _Reads:
+    """What the Dynamo pass saw, frame by frame."""
+
+    values: dict[str, PythonValue] = field(default_factory=dict)
+    # Paths of values kept by the artifact that no call can check (fn's own closure).
+    unresolved: list[str] = field(default_factory=list)
+    effects: list[tuple[str, str]] = field(default_factory=list)
+
+
+def observe(
+    fn: Callable[..., object], example_inputs: tuple[object, ...]
+) -> list[PythonValue]:
+    """The Python values ``fn(*example_inputs)`` reads and specialises on, each with
+    a path from the call's arguments or a module's globals; a ``PrecompileError`` if
+    it writes Python state that existed before the call."""
+    try:
+        copies = copy.deepcopy(example_inputs)
+    except Exception as error:
+        _warn_unrecorded(fn, f"its arguments cannot be deep-copied ({error})")
+        return []
+    reads = _Reads()
+    try:
+        with _dynamo_pass(reads, fn, copies) as compiled:
+            compiled(*copies)
+    except Exception as error:
+        refusal = _precompile_error_in(error)
+        if refusal is not None:
+            raise refusal from None
+        if reads.effects:
+            _refuse_effects(fn, reads.effects)
+        # fn failing here fails the trace too, with the message the user needs; one
+        # that only Dynamo cannot run leaves its reads unknown.
+        _warn_unrecorded(fn, f"Dynamo could not run it ({type(error).__name__})")
+        return []
+    if reads.unresolved:
+        log.warning(
+            "%r reads values that the artifact keeps as traced and no call can "
+            "check, since the artifact is not given the function: %s. Pass them as "
+            "arguments, or keep them as module attributes or globals, to have them "
+            "checked.",
+            _name(fn),
+            ", ".join(reads.unresolved),
+        )
+    return sorted(reads.values.values())
+
+
+def _precompile_error_in(error: BaseException) -> PrecompileError | None:
+    # Dynamo wraps what is raised while it compiles a frame.
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, PrecompileError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _warn_unrecorded(fn: object, why: str) -> None:
+    log.warning(
+        "the Python values %r reads (module attributes, config fields, globals) "
+        "could not be recorded, because %s: the artifact keeps the values it was "
+        "traced with and cannot check them at call time.",
+        _name(fn),
+        why,
+    )
+
+
+@contextlib.contextmanager
+def _dynamo_pass(
+    reads: _Reads, fn: Callable[..., object], copies: tuple[object, ...]
+) -> Generator[Callable[..., object]]:
+    import torch._dynamo
+    from torch._dynamo import guards, side_effects
+
+    frame: dict[str, Any] = {}
+    build_guards = guards.CheckFunctionManager.__init__
+
+    def record_scope(self: Any, code: Any, output_graph: Any, *a: Any, **k: Any):
+        # The frame whose guards follow: ``G[...]`` means its module's globals.
+        frame["globals"] = output_graph.global_scope
+        build_guards(self, code, output_graph, *a, **k)
+
+    def keep(entries: Sequence[Any]) -> list[bool]:
+        if reads.effects:
+            _refuse_effects(fn, reads.effects)
+        _record(reads, entries, frame["globals"], fn, copies)
+        return [True] * len(entries)
+
+    store_attr = side_effects.SideEffects.store_attr
+    mutation = side_effects.SideEffects.mutation
+
+    def recording_store_attr(self: Any, item: Any, name: str, *a: Any, **k: Any):
+        _note_effect(reads, item, name)
+        return store_attr(self, item, name, *a, **k)
+
+    def recording_mutation(self: Any, var: Any) -> None:
+        _note_effect(reads, var, None)
+        return mutation(self, var)
+
+    # A fresh code object: Dynamo caches compiled frames per code object, and a
+    # cached one would not pass through ``keep`` again.
+    def entry(*args: object) -> object:
+        return fn(*args)
+
+    entry.__code__ = entry.__code__.replace()
+    patches = [
+        (guards.CheckFunctionManager, "__init__", record_scope),
+        (side_effects.SideEffects, "store_attr", recording_store_attr),
+        (side_effects.SideEffects, "mutation", recording_mutation),
+    ]
+    with contextlib.ExitStack() as stack:
+        for owner, name, replacement in patches:
+            stack.enter_context(_patched(owner, name, replacement))
+        stack.enter_context(
+            torch._dynamo.config.patch(
+                # make_fx builds every number into the graph: so must the guards.
+                specialize_int=True,
+                specialize_float=True,
+                assume_static_by_default=True,
+                automatic_dynamic_shapes=False,
+                suppress_errors=False,
+            )
+        )
+        stack.enter_context(refusing_python_rng(fn))
+        yield torch.compile(entry, backend="eager", options={"guard_filter_fn": keep})
+    # Release the pass's compiled frames (their guards hold the copies).
+    torch._dynamo.eval_frame.reset_code(entry.__code__)
+
+
+@contextlib.contextmanager
+def _patched(owner: object, name: str, replacement: object) -> Generator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _note_effect(reads: _Reads, item: Any, name: str | None) -> None:
+    from torch._dynamo import side_effects
+    from torch._dynamo.variables import TensorVariable
+
+    existing = (
+        side_effects.AttributeMutationExisting,
+        side_effects.ValueMutationExisting,
+    )
+    # An object created during the call is the call's own business; a tensor's
+    # attributes (.grad) are the gradient machinery's, which the artifact repeats.
+    if not isinstance(item.mutation_type, existing) or isinstance(item, TensorVariable):
+        return
+    line = _writing_line()
+    if line is None:
+        return
+    if item.source is None:
+        target = "an object that existed before the call"
+    else:
+        target = _effect_target(item.source.name + (f".{name}" if name else ""))
+    reads.effects.append((target, line))
+
+
+def _writing_line() -> str | None:
+    """The user's line that makes the write Dynamo is tracing, or None where the
+    write is the library's own (an optimizer's step creating its state, which the
+    artifact handles itself)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._guards import TracingContext
+
+    frames = [(s.filename, s.lineno, s.name) for s in TracingContext.extract_stack()]
+    if not frames:
+        tx = InstructionTranslator.current_tx()
+        frames = [(tx.f_code.co_filename, tx.lineno, tx.f_code.co_name)]
+    # nn.Module.__setattr__ makes the write of ``self.count = ...``.
+    while (
+        len(frames) > 1 and frames[-1][2] == "__setattr__" and _library(frames[-1][0])
+    ):
+        frames.pop()
+    filename, lineno, _ = frames[-1]
+    return None if _library(filename) else f"{filename}:{lineno}"
+
+
+def _library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_FILES)
+
+
+_MEMBER_ITEM = re.compile(r"\._(?:modules|parameters|buffers)\['(\w+)'\]")
+_GLOBAL = re.compile(r"G\['(\w+)'\]\.?(\w*)(.*)")
+
+
+def _effect_target(dynamo_name: str) -> str:
+    """A written object in the words of PYTHON_VALUES' paths. Dynamo names what the
+    pass's entry received ``L['args'][N]``, another module's globals
+    ``G['__import_<module, its dots spelt _dot_>']``."""
+    text = _MEMBER_ITEM.sub(r".\1", dynamo_name)
+    if text.startswith("L['args']["):
+        position, _, rest = text.removeprefix("L['args'][").partition("]")
+        return f"argument {position}: {rest}" if rest else f"argument {position}"
+    match = _GLOBAL.fullmatch(text)
+    if match is None:
+        return text
+    first, second, rest = match.groups()
+    if not first.startswith("__import_"):
+        return f"the global {first}"
+    module = first.removeprefix("__import_").replace("_dot_", ".")
+    return f"global {second} (module {module}){': ' + rest if rest else ''}"
+
+
+def _refuse_effects(fn: object, effects: list[tuple[str, str]]) -> None:
+    target, line = effects[0]
+    raise PrecompileError(
+        f"{_name(fn)!r} changes Python state that exists outside the call: it writes "
+        f"{target} at {line}. The trace would make that write once, at capture, and "
+        "the artifact never again, so a counter or a log kept this way would "
+        "silently stop changing. Move the write out of the function (before or "
+        "after the call, using what it returns), or keep the state in a tensor "
+        "buffer (register_buffer) updated in place."
+    )
+
+
+# --- Reads --------------------------------------------------------------------------
+class _Unresolved(Exception):
+    """A source this module cannot express as a path from a call's arguments."""
+
+
+def _record(
+    reads: _Reads,
+    entries: Sequence[Any],
+    frame_globals: dict[str, object],
+    fn: Callable[..., object],
+    copies: tuple[object, ...],
+) -> None:
+    values_by_name = {
+        e.orig_guard.originating_source.name: e.value for e in entries if e.has_value
+    }
+    roots = _argument_roots(copies)
+    for entry in entries:
+        if not entry.has_value or not _is_plain_guard(entry):
+            continue
+        source = entry.orig_guard.originating_source
+        base = getattr(source, "base", None)
+        if base is not None and isinstance(values_by_name.get(base.name), torch.Tensor):
+            continue  # a tensor's .grad or flags: the tensor checks' business
+        try:
+            path = _path(source, values_by_name, roots, frame_globals, fn)
+        except _Unresolved:
+            continue
+        if path is None:
+            continue
+        if path.startswith("closure ") and path not in reads.unresolved:
+            reads.unresolved.append(path)
+        reads.values[path] = PythonValue(path, repr(entry.value))
+
+
+def _is_plain_guard(entry: Any) -> bool:
+    if entry.guard_type == "CONSTANT_MATCH":
+        return " at 0x" not in repr(entry.value)
+    return entry.guard_type == "ID_MATCH" and isinstance(entry.value, enum.Enum)
+
+
+def _argument_roots(copies: tuple[object, ...]) -> dict[int, tuple[int, str]]:
+    """By identity: each module argument, its submodules and the plain objects
+    they hold (a config), and each optimizer argument, with (position, accessor
+    path from the argument)."""
+    roots: dict[int, tuple[int, str]] = {}
+    for position, argument in enumerate(copies):
+        if isinstance(argument, torch.optim.Optimizer):
+            roots[id(argument)] = (position, "<optimizer>")
+        if not isinstance(argument, torch.nn.Module):
+            roots.setdefault(id(argument), (position, ""))
+            continue
+        for name, module in argument.named_modules(remove_duplicate=False):
+            prefix = "".join(f".{part}" for part in name.split(".") if part)
+            roots.setdefault(id(module), (position, prefix))
+    return roots
+
+
+def _path(
+    source: Any,
+    values_by_name: dict[str, object],
+    roots: dict[int, tuple[int, str]],
+    frame_globals: dict[str, object],
+    fn: Callable[..., object],
+) -> str | None:
+    """The readable path of the value at ``source``, or None when another check of
+    the artifact already covers it (a module's mode, an input leaf, an optimizer)."""
+    from torch._dynamo import source as sources
+
+    steps: list[str] = []
+    while True:
+        wrapper = isinstance(
+            source, (sources.NNModuleSource, sources.UnspecializedParamBufferSource)
+        ) and not isinstance(source, sources.AttrSource)
+        known = values_by_name.get(source.name)
+        if known is not None and id(known) in roots and steps:
+            position, prefix = roots[id(known)]
+            if prefix == "<optimizer>":
+                return None
+            accessors = prefix + "".join(reversed(steps))
+            if prefix == "" and "." not in accessors:
+                return None  # a leaf of an input, which the leaf checks cover
+            if accessors.endswith(".training") and isinstance(known, torch.nn.Module):
+                return None
+            return f"argument {position}: {accessors}"
+        if wrapper:
+            source = cast(Any, source).base
+            continue
+        if isinstance(source, sources.LocalSource):
+            return _closure_path(source.local_name, values_by_name, fn, steps)
+        if isinstance(source, sources.GlobalSource):
+            return _global_path(source.global_name, frame_globals, steps)
+        if isinstance(source, sources.CellContentsSource):
+            steps.append(".cell_contents")
+        elif isinstance(source, sources.AttrSource):
+            steps.append(f".{source.member}")
+        elif isinstance(source, sources.ClosureSource):
+            steps.append(".__closure__")
+        elif isinstance(source, (sources.GetItemSource, sources.DictGetItemSource)):
+            steps.append(_item(source.index))
+        else:
+            raise _Unresolved(source.name)
+        source = source.base
+        _collapse_member_dicts(steps)
+
+
+_MEMBER_DICTS = (".__dict__", "._modules", "._parameters", "._buffers")
+
+
+def _collapse_member_dicts(steps: list[str]) -> None:
+    # Steps are gathered innermost first: [..., "['lin']", "._modules"].
+    if len(steps) >= 2 and steps[-1] in _MEMBER_DICTS and steps[-2].startswith("["):
+        key = steps[-2][2:-2]
+        if key.isidentifier() or key.isdigit():
+            steps[-2:] = [f".{key}"]
+
+
+def _item(index: object) -> str:
+    if type(index) is int or (type(index) is str and "]" not in index):
+        return f"[{index!r}]"
+    raise _Unresolved(repr(index))
+
+
+def _closure_path(
+    name: str,
+    values_by_name: dict[str, object],
+    fn: Callable[..., object],
+    steps: list[str],
+) -> str:
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None) or ()
+    if code is None or name not in code.co_freevars:
+        raise _Unresolved(name)
+    cell = closure[code.co_freevars.index(name)]
+    if values_by_name.get(f"L['{name}']", cell.cell_contents) is not cell.cell_contents:
+        raise _Unresolved(name)
+    return f"closure variable {name} of {_name(fn)}{''.join(reversed(steps))}"
+
+
+def _global_path(
+    name: str, frame_globals: dict[str, object], steps: list[str]
+) -> str | None:
+    value = frame_globals.get(name)
+    if isinstance(value, types.ModuleType):
+        # Dynamo reaches another module's globals through an alias it installs:
+        # G['__import_othermod'].FACTOR is FACTOR of othermod.
+        if not steps:
+            return None
+        module, first = value.__name__, steps.pop()[1:]
+        return _global_path_in(module, first, steps)
+    return _global_path_in(str(frame_globals.get("__name__")), name, steps)
+
+
+def _global_path_in(module: str, name: str, steps: list[str]) -> str | None:
+    if module.split(".")[0] in _LIBRARY_MODULES:
+        return None
+    accessors = "".join(reversed(steps))
+    return f"global {name} (module {module}){': ' + accessors if accessors else ''}"
+
+
+# --- Python's and NumPy's generators ------------------------------------------------
+_PYTHON_RNG = (
+    "random",
+    "uniform",
+    "randint",
+    "randrange",
+    "choice",
+    "choices",
+    "sample",
+    "shuffle",
+    "gauss",
+    "normalvariate",
+    "betavariate",
+    "gammavariate",
+    "expovariate",
+    "lognormvariate",
+    "triangular",
+    "vonmisesvariate",
+    "paretovariate",
+    "weibullvariate",
+    "getrandbits",
+    "randbytes",
+    "binomialvariate",
+)
+
+
+@contextlib.contextmanager
+def refusing_python_rng(fn: object) -> Generator[None]:
+    """Refuse draws from Python's ``random`` and NumPy's global generator while ``fn``
+    is traced: the trace would draw once and build the number into the graph, so
+    every call of the artifact would reuse it. Their states are left as they were."""
+    numpy = sys.modules.get("numpy")
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    targets: list[tuple[object, str, str]] = [
+        (random, name, f"random.{name}")
+        for name in _PYTHON_RNG
+        if hasattr(random, name)
+    ]
+    if numpy is not None:
+        targets += [
+            (numpy.random, name, f"numpy.random.{name}")
+            for name in dir(numpy.random.mtrand._rand)
+            if not name.startswith("_")
+            and name not in ("get_state", "set_state", "seed")
+            and callable(getattr(numpy.random, name, None))
+        ]
+    with contextlib.ExitStack() as stack:
+        for owner, name, label in targets:
+            stack.enter_context(_patched(owner, name, _refuser(fn, label)))
+        try:
+            yield
+        finally:
+            drew = random.getstate() != python_state
+            random.setstate(python_state)
+            if numpy is not None:
+                drew = drew or not _same_numpy_state(
+                    numpy.random.get_state(), numpy_state
+                )
+                numpy.random.set_state(numpy_state)
+    if drew:
+        raise _rng_error(fn, "Python's random module or NumPy's global generator", None)
+
+
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and a[2:] == b[2:]
+
+
+def _refuser(fn: object, label: str) -> Callable[..., object]:
+    import torch._dynamo
+
+    # Run, not traced, by the Dynamo pass: it reads the caller's frame.
+    @torch._dynamo.disable
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise _rng_error(fn, label, _caller_line())
+
+    return refuse
+
+
+def _caller_line() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_FILES):
+        frame = frame.f_back
+    return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _rng_error(fn: object, generator: str, line: str | None) -> PrecompileError:
+    where = f" at {line}" if line else ""
+    return PrecompileError(
+        f"{_name(fn)!r} draws from {generator}{where}. The trace would draw once and "
+        "build the number into the artifact, which would reuse it on every call. "
+        "Draw with torch's generator instead (torch.rand, torch.distributions), which "
+        "the artifact repeats, or draw outside the function and pass the value in "
+        "as an argument."
+    )
