@@ -114,6 +114,11 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
         "module_positions": module_positions,
         "modules": _modules(metadata),
         "optimizers": _optimizers(metadata),
+        # The Python values the graph has built in, by path: [path, repr].
+        "python_values": [
+            list(value)
+            for value in cast(list[tuple[str, str]], metadata.get("PYTHON_VALUES", []))
+        ],
         "module_state": _module_state(metadata),
         "user_inputs": user_inputs,
         "aliased_inputs": _aliased_inputs(
@@ -203,6 +208,10 @@ def format_report(report: dict[str, Any]) -> str:
                 ],
             )
         )
+        out.append("")
+    if report["python_values"]:
+        out.append("Python values built into the graph (each call must bring the same)")
+        out.extend(_table(["path", "value"], report["python_values"]))
         out.append("")
     out.append("parameters and buffers")
     state = report["module_state"]

@@ -399,14 +399,29 @@ def _closure_path(
     fn: Callable[..., object],
     steps: list[str],
 ) -> str:
+    """A path through the closure of ``fn``: from the pass's entry, which holds
+    ``fn`` as its own closure variable (``fn.__closure__[i].cell_contents``), or
+    from ``fn``'s frame, where a closure variable is a local."""
     code = getattr(fn, "__code__", None)
     closure = getattr(fn, "__closure__", None) or ()
-    if code is None or name not in code.co_freevars:
+    if code is None:
         raise _Unresolved(name)
-    cell = closure[code.co_freevars.index(name)]
-    if values_by_name.get(f"L['{name}']", cell.cell_contents) is not cell.cell_contents:
+    accessors = list(reversed(steps))
+    if values_by_name.get(f"L['{name}']") is fn:
+        if accessors[:1] != [".__closure__"] or accessors[2:3] != [".cell_contents"]:
+            raise _Unresolved(name)
+        name = code.co_freevars[int(accessors[1][1:-1])]
+        accessors = accessors[3:]
+    elif name in code.co_freevars:
+        cell = closure[code.co_freevars.index(name)]
+        if values_by_name.get(f"L['{name}']", cell.cell_contents) is not (
+            cell.cell_contents
+        ):
+            raise _Unresolved(name)
+    else:
         raise _Unresolved(name)
-    return f"closure variable {name} of {_name(fn)}{''.join(reversed(steps))}"
+    rest = "".join(accessors)
+    return f"closure variable {name} of {_name(fn)}{': ' + rest if rest else ''}"
 
 
 def _global_path(
