@@ -10,6 +10,7 @@ import random
 import sys
 import types
 from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -88,7 +89,8 @@ def test_the_values_read_are_recorded_with_their_paths() -> None:
         f"global SCALE (module {__name__})": "1.0",
     }
     text = pg.render_artifact(cap)
-    assert dict(pg.parse_metadata(text)["PYTHON_VALUES"]) == values
+    parsed = cast(list[tuple[str, str]], pg.parse_metadata(text)["PYTHON_VALUES"])
+    assert dict(parsed) == values
 
 
 @pytest.mark.parametrize(
@@ -144,8 +146,8 @@ def test_an_unread_attribute_changes_nothing(loaded: Callable[..., object]) -> N
     model, x = Scaled(), example()
     loaded(model, x)
     model.bookkeeping += 1
-    model.new_attribute = "anything"
-    model.config.unread = [1, 2]
+    vars(model)["new_attribute"] = "anything"
+    vars(model.config)["unread"] = [1, 2]
     torch.testing.assert_close(loaded(model, x), scaled(model, x))
 
 
@@ -184,10 +186,10 @@ def test_a_global_of_the_code_fn_calls_is_checked() -> None:
     assert ("global FACTOR (module pv_library)", "2.0") in cap.python_values
     loaded = pg.load(pg.render_artifact(cap), b"")
     torch.testing.assert_close(loaded(model, x), step(model, x))
-    library.FACTOR = 5.0
+    vars(library)["FACTOR"] = 5.0
     with pytest.raises(pg.PrecompileError, match="FACTOR"):
         loaded(model, x)
-    library.FACTOR = 2.0
+    vars(library)["FACTOR"] = 2.0
     torch.testing.assert_close(loaded(model, x), step(model, x))
 
 
@@ -211,13 +213,12 @@ class WithActivation(nn.Module):
 def test_a_closure_cell_held_by_the_model_is_checked() -> None:
     model, x = WithActivation(), example()
     code, cache = pg.precompile(lambda m, x: m(x), model, x, backend="eager")
-    assert ("argument 0: .act.__closure__[0].cell_contents", "0.2") in pg.parse_metadata(
-        code
-    )["PYTHON_VALUES"]
+    values = cast(list[tuple[str, str]], pg.parse_metadata(code)["PYTHON_VALUES"])
+    assert ("argument 0: .act.__closure__[0].cell_contents", "0.2") in values
     loaded = pg.load(code, cache)
     torch.testing.assert_close(loaded(model, x), model(x))
     model.act = _leaky(0.5)
-    with pytest.raises(pg.PrecompileError, match="cell_contents is 0.5"):
+    with pytest.raises(pg.PrecompileError, match=r"cell_contents is 0\.5"):
         loaded(model, x)
 
 
@@ -280,7 +281,8 @@ def record_history(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _line_of(text: str) -> str:
-    source = open(__file__, encoding="utf-8").read().splitlines()
+    with open(__file__, encoding="utf-8") as file:
+        source = file.read().splitlines()
     return f"{__file__}:{source.index(text) + 1}"
 
 
@@ -333,14 +335,15 @@ def jitter(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def test_a_python_or_numpy_random_draw_is_refused(
     fn: Callable[..., object], generator: str, line: str, backend: str
 ) -> None:
-    states = (random.getstate(), np.random.get_state()[1].copy())
+    python_state = random.getstate()
+    numpy_state = cast(tuple[Any, ...], np.random.get_state())[1].copy()
     with pytest.raises(pg.PrecompileError) as error:
         pg.capture(fn, nn.Linear(4, 4), example(), backend=backend)
     message = str(error.value)
     assert generator in message and _line_of(line) in message
     assert "torch.distributions" in message and "pass the value in" in message
-    assert random.getstate() == states[0]
-    assert (np.random.get_state()[1] == states[1]).all()
+    assert random.getstate() == python_state
+    assert (cast(tuple[Any, ...], np.random.get_state())[1] == numpy_state).all()
 
 
 def test_an_optimizers_own_state_is_not_an_effect() -> None:
