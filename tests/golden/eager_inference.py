@@ -762,8 +762,9 @@ def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
 _PATH_STEP = re.compile(r"\.(\w+)|\[(-?\d+|'[^'\\\]]*')\]")
 _ABSENT = object()
 _UNCHECKED = object()
-# (dict, key, object) for each link that led to a value through a plain dict; the
-# paths whose links are not all such dicts are read again; and each argument a path
+# Outside the module arguments' trees, which the fast path watches already: (dict,
+# key, object) for each link that led to a value through a plain dict; the paths
+# whose links are not all such dicts, read again; and each non-module argument a path
 # starts from, held weakly where it can be.
 _python_links: list[tuple[dict[Any, object], object, object]] = []
 _python_rereads: list[tuple[str, object]] = []
@@ -794,14 +795,18 @@ def _python_value(
             links.append((vars(namespace), name, value))
     else:
         return _UNCHECKED
+    # The fast path already watches the module arguments' trees (every module's member
+    # dicts): a link out of one of their modules needs no watching of its own.
+    in_model = isinstance(value, torch.nn.Module)
     for attribute, key in _PATH_STEP.findall(accessors):
+        watched = in_model and isinstance(value, torch.nn.Module)
         holder: Any = getattr(value, "__dict__", None) if attribute else value
         member: object = attribute or (int(key) if key[0] != "'" else key[1:-1])
         try:
             value = getattr(value, attribute) if attribute else cast(Any, value)[member]
         except (AttributeError, LookupError, TypeError):
             return _ABSENT
-        if links is not None:
+        if links is not None and not watched:
             plain = type(holder) is dict and holder.get(member, _ABSENT) is value
             links.append((holder, member, value) if plain else None)
     return value
@@ -822,7 +827,9 @@ def _check_python_values(args: tuple[object, ...]) -> None:
             rereads.append((path, value))
         links += path_links
         if path.startswith("argument "):
-            roots.add(int(path.removeprefix("argument ").partition(":")[0]))
+            position = int(path.removeprefix("argument ").partition(":")[0])
+            if not isinstance(args[position], torch.nn.Module):
+                roots.add(position)
     _python_links[:] = [link for link in links if link is not None]
     _python_rereads[:] = rereads
     _python_roots[:] = [(position, _held(args[position])) for position in roots]
