@@ -76,9 +76,10 @@ METADATA_NAMES: tuple[str, ...] = (
     "KERNEL_BINARIES",
     "KERNEL_SOURCES",
     "OPTIMIZERS",
+    "SCALAR_OUTPUTS",
 )
 # Emitted only by captures that have them; an artifact without one has none.
-OPTIONAL_METADATA: dict[str, object] = {"OPTIMIZERS": []}
+OPTIONAL_METADATA: dict[str, object] = {"OPTIMIZERS": [], "SCALAR_OUTPUTS": []}
 
 
 class ModuleArgument(NamedTuple):
@@ -232,6 +233,9 @@ class CaptureResult:
     # be serialised (the driver then skips the structure check); and of the result.
     in_spec: str | None
     out_spec: str
+    # Positions among the function's flat outputs of the ``t.item()`` values it
+    # returned: the graph returns ``t``, and the driver returns ``t.item()``.
+    scalar_outputs: list[int]
     leaves: list[InputLeaf]
     # The graph inputs that shared a storage at capture (a tensor passed twice, views
     # of one storage, a parameter also passed as an input): the graph is right only
@@ -301,4 +305,5 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
             }
             for optimizer in cap.optimizers
         ],
+        "SCALAR_OUTPUTS": cap.scalar_outputs,
     }

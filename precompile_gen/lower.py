@@ -91,6 +91,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         grad_resets=traced.grad_resets,
         in_spec=in_spec,
         out_spec=out_spec,
+        scalar_outputs=traced.scalar_outputs,
         leaves=[
             leaf._replace(stride=stride)
             for leaf, stride in zip(

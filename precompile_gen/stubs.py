@@ -112,6 +112,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         grad_resets=[(0, True)],
         in_spec=_INPUT_SPEC,
         out_spec=_FLAT_SPEC,
+        scalar_outputs=[0],
         leaves=[
             InputLeaf(
                 shape=(None, 4),
@@ -194,6 +195,7 @@ def no_features_capture(backend: Backend) -> CaptureResult:
         buffers=[stub.buffers[0]._replace(stride=None)],
         grad_param_indices=[],
         grad_resets=[],
+        scalar_outputs=[],
         leaves=[stub.leaves[0]._replace(shape=(2, 4), bounds=None, symbols=None)],
         aliased_inputs=[],
         graph=dataclasses.replace(stub.graph, tensor_literals=[]),

@@ -29,6 +29,7 @@ from torch.nn.utils import stateless
 from precompile_gen import (
     aliasing,
     convention,
+    data_dependent,
     dynamic_dims,
     grad_resets,
     optimizers,
@@ -111,6 +112,8 @@ class TracedGraph:
     # user-input leaves and the optimizers' state and lr tensors.
     constants: list[tuple[str, torch.Tensor]]
     grad_param_indices: list[int]
+    # Positions among fn's flat outputs of the ``.item()`` values it returned.
+    scalar_outputs: list[int]
     grad_resets: list[tuple[int, bool]]
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
@@ -248,6 +251,7 @@ def trace(
                 [entry.optimizer for entry in lifted_optimizers],
                 stepped,
             ),
+            data_dependent.value_reads(modules, fn_name),
         ):
             args = _interleave(example_inputs, lifted_positions, inputs)
             try:
@@ -258,6 +262,9 @@ def trace(
         grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat[:state_start], leaf_names)
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
+        result_leaves, harvest["scalar_outputs"] = data_dependent.scalar_outputs(
+            result_leaves
+        )
         _reject_opaque_results(result, result_leaves, fn_name)
         harvest["grad_param_indices"] = [
             i for i, g in enumerate(grads) if g is not None
@@ -277,9 +284,9 @@ def trace(
     except PrecompileError:
         raise
     except Exception as error:
-        guard = dynamic_dims.guard_error_in(error)
-        if guard is not None and symbolic is not None:
-            raise dynamic_dims.data_dependent_error(guard, symbolic, fn_name) from error
+        untraceable = _untraceable(error, symbolic, fn_name)
+        if untraceable is not None:
+            raise untraceable from error
         if any(error is raised for raised in raised_by_fn):
             # The function's own exception, as eager would raise it, so that the
             # caller's ``except`` clauses keep working; the note says where it rose.
@@ -341,6 +348,7 @@ def trace(
         mutated_inputs=mutated_inputs,
         constants=constants,
         grad_param_indices=harvest["grad_param_indices"],
+        scalar_outputs=harvest["scalar_outputs"],
         grad_resets=sorted(resets.items()),
         in_spec=in_spec,
         out_spec=harvest["out_spec"],
@@ -367,6 +375,19 @@ def trace(
             )
         ],
     )
+
+
+def _untraceable(
+    error: Exception,
+    symbolic: dynamic_dims.SymbolicInputs | None,
+    fn_name: str,
+) -> PrecompileError | None:
+    """The ``PrecompileError`` for a trace that stopped where fn's code depends on
+    tensor values (a guard on a dynamic dim, a value read), or None."""
+    guard = dynamic_dims.guard_error_in(error)
+    if guard is not None and symbolic is not None:
+        return dynamic_dims.data_dependent_error(guard, symbolic, fn_name)
+    return data_dependent.value_read_error(error, fn_name)
 
 
 @contextlib.contextmanager

@@ -118,6 +118,7 @@ def inductor_inference() -> pg.CaptureResult:
             f"[{_LEAF}]}}]"
         ),
         out_spec=f"[1, {_LEAF}]",
+        scalar_outputs=[],
         leaves=[
             InputLeaf(
                 shape=(3, 4),
