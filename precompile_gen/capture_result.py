@@ -201,6 +201,9 @@ class CompiledGraph:
     imports: list[str]
     in_spec: str | None
     out_spec: str | None
+    # Eager only: the torch.cond branches fx's code reads as ``self.<name>``, each
+    # defined in ``source`` as ``_graph_<name>(self, *operands)``.
+    branches: list[str]
     # Inductor only: the lines of Inductor's module that ``inductor_imports`` rewrote
     # in ``source``, each with its replacement ("" for a dropped line).
     rewritten_imports: list[tuple[str, str]]

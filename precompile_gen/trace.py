@@ -734,21 +734,35 @@ def _tensor_origins(
 
 
 def _reject_control_flow(gm: torch.fx.GraphModule) -> None:
-    # torch.cond and friends trace into nested GraphModules that the artifact's single
-    # flat graph cannot carry.
-    subgraphs = [
-        str(node.target)
-        for node in gm.graph.find_nodes(op="get_attr")
-        if isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule)
-    ]
-    if subgraphs:
-        raise PrecompileError(
-            "the function uses a control-flow operator (torch.cond, torch.while_loop, "
-            f"...) whose branches were captured as subgraphs {subgraphs}; an artifact "
-            "holds one flat graph, so these are not supported. Compute both branches "
-            "and select with torch.where, or branch in Python (the trace then follows "
-            "the example's path)."
-        )
+    # torch.cond's branches travel with the graph (each a GraphModule it reads by
+    # name, which lowering writes out); the subgraphs of other control-flow
+    # operators do not, nor a tensor a branch reads besides its operands.
+    for module in gm.modules():
+        assert isinstance(module, torch.fx.GraphModule), "make_fx nests only graphs"
+        for node in module.graph.find_nodes(op="get_attr"):
+            value = getattr(module, str(node.target))
+            if not isinstance(value, torch.fx.GraphModule):
+                if module is not gm:
+                    raise PrecompileError(
+                        "a torch.cond branch reads a tensor that is not one of its "
+                        f"operands (shape {tuple(value.shape)}), e.g. a "
+                        "torch.tensor(...) created inside the branch. Create it "
+                        "before torch.cond and pass it in the operands."
+                    )
+                continue
+            others = [
+                str(user.target)
+                for user in node.users
+                if user.target is not torch.ops.higher_order.cond
+            ]
+            if others:
+                raise PrecompileError(
+                    f"the function uses the control-flow operator {others[0]} "
+                    "(torch.while_loop, torch.map, scan, ...), whose body the "
+                    "artifact cannot carry; only torch.cond is supported. Compute "
+                    "with a fixed number of steps, or move the loop out of the "
+                    "function."
+                )
 
 
 def _finish_optimizers(

@@ -137,6 +137,7 @@ def inductor_inference() -> pg.CaptureResult:
             imports=[],
             in_spec=None,
             out_spec=None,
+            branches=[],
             rewritten_imports=rewritten_imports,
         ),
         # The canned graph's kernels are not compiled here: nothing is pinned.
