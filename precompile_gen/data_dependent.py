@@ -64,19 +64,19 @@ def is_library(filename: str) -> bool:
     return filename.startswith(_LIBRARY_DIRS)
 
 
-def _where(filename: str, lineno: int) -> str:
-    code = linecache.getline(filename, lineno).strip()
-    return f"{filename}:{lineno}" + (f" ({code})" if code else "")
+def _where(filename: str, lineno: int, *, code: bool = True) -> str:
+    line = linecache.getline(filename, lineno).strip() if code else ""
+    return f"{filename}:{lineno}" + (f" ({line})" if line else "")
 
 
-def _caller(skip: int = 2) -> str:
+def _caller(skip: int = 2, *, code: bool = True) -> str:
     """The innermost frame of the user's code on the current stack."""
     frame: types.FrameType | None = sys._getframe(skip)
     while frame is not None and is_library(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return "an unknown line"
-    return _where(frame.f_code.co_filename, frame.f_lineno)
+    return _where(frame.f_code.co_filename, frame.f_lineno, code=code)
 
 
 def _innermost_user_frame(traceback: types.TracebackType | None) -> str:
@@ -95,29 +95,44 @@ def value_read_error(error: BaseException, fn_name: str) -> PrecompileError | No
     if not isinstance(error, RuntimeError) or _MAKE_FX_VALUE_READ not in str(error):
         return None
     return _refusal(
-        fn_name,
-        "converts a tensor computed from the inputs to a Python value (if t: ..., "
-        "bool(t), float(t), int(t) or .item())",
-        _innermost_user_frame(error.__traceback__),
+        f"{fn_name!r} converts a tensor computed from its inputs to a Python value "
+        "(if t: ..., bool(t), float(t), int(t) or .item()) at "
+        f"{_innermost_user_frame(error.__traceback__)}"
     )
 
 
-def _refusal(fn_name: str, what: str, where: str) -> DataDependentError:
+def _refusal(lead: str) -> DataDependentError:
     return DataDependentError(
-        f"{fn_name!r} {what} at {where}. The trace records tensor operations, not "
+        f"{lead}. The trace records tensor operations, not "
         "Python values, so the artifact would keep the example's value (and any "
         f"branch decided on it) for every call. {_FIXES}"
     )
 
 
-def _is_traced(tensor: object) -> bool:
-    """Whether ``tensor`` is computed from the graph's inputs (or random): make_fx
-    tracks it with no constant value."""
+def _depends_on_inputs(tensor: object) -> bool:
+    """Whether make_fx computed ``tensor`` from a graph input or a random draw: a
+    value read from it would differ between calls. (One computed only from
+    constants, ``torch.arange(3)``, is the same at every call.)"""
     mode = proxy_tensor.get_proxy_mode()
     if mode is None or not isinstance(tensor, torch.Tensor):
         return False
     slot = proxy_tensor.get_proxy_slot(tensor, mode.tracer, None)
-    return slot is not None and slot.constant is None
+    if slot is None or slot.constant is not None:
+        return False
+    pending, seen = [slot.proxy.node], set()
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        target = node.target
+        random = isinstance(target, torch._ops.OpOverload) and (
+            torch.Tag.nondeterministic_seeded in target.tags
+        )
+        if node.op == "placeholder" or random:
+            return True
+        pending.extend(node.all_input_nodes)
+    return False
 
 
 class ItemValue:
@@ -134,9 +149,8 @@ class ItemValue:
 
     def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
         raise _refusal(
-            self.fn_name,
-            f"uses the Python number of .item() (taken at {self.where})",
-            _caller(),
+            f"{self.fn_name!r} computes with the Python number that .item() gave at "
+            f"{self.where}, at {_caller()}"
         )
 
 
@@ -207,15 +221,24 @@ class _ValueReads(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> object:
         kwargs = kwargs or {}
-        if func not in _READS or not args or not _is_traced(args[0]):
+        if func not in _READS or not args:
+            return func(*args, **kwargs)
+        if not _depends_on_inputs(args[0]):
+            if isinstance(args[0], torch.Tensor) and not proxy_tensor.is_fake(args[0]):
+                # The same value at every call: read it, as make_fx reads constants.
+                with proxy_tensor.disable_proxy_modes_tracing():
+                    return func(*args, **kwargs)
             return func(*args, **kwargs)
         caller = sys._getframe(1).f_code.co_filename
         if func is torch.Tensor.item and not is_library(caller):
             return ItemValue(args[0].detach(), _caller(), self.fn_name)
         if func is torch.Tensor.tolist:
-            raise _refusal(self.fn_name, "calls .tolist() on a tensor", _caller())
+            raise _refusal(
+                f"{self.fn_name!r} calls .tolist() on a tensor computed from its "
+                f"inputs at {_caller()}"
+            )
         if func is torch.Tensor.__bool__ and caller.startswith(_DISTRIBUTIONS_DIR):
-            return _asserted_bool(args[0], _caller())
+            return _asserted_bool(args[0], _caller(code=False))
         return func(*args, **kwargs)
 
 

@@ -232,6 +232,7 @@ def _inductor_graph(
     traced: TracedGraph,
 ) -> tuple[str, dict[str, object], dict[str, str]]:
     from torch._functorch import aot_autograd
+    from torch._inductor import config as inductor_config
     from torch._inductor.exc import InductorError
     from torch._inductor.standalone_compile import NoRunnableInductorModuleError
 
@@ -251,7 +252,10 @@ def _inductor_graph(
         "fallback_random": True,
     }
     try:
-        with _INDUCTOR_LOCK:
+        # The options apply to Inductor's compile only; the joint graph's passes run
+        # before it and would turn randn (normal_'s decomposition) into Inductor's
+        # own random kernel unless fallback_random is set for them too.
+        with _INDUCTOR_LOCK, inductor_config.patch(fallback_random=True):
             # torch's own cache bundle is dropped: it does not hold the kernel
             # binaries, which are what a fresh process would otherwise compile.
             graph_source, _ = aot_autograd.compile_to_python(
