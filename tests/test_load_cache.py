@@ -200,6 +200,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "KERNEL_SOURCES": {},
         # Emitted only with optimizer arguments; its absence reads as none.
         "OPTIMIZERS": [],
+        # Emitted only by a function that returns t.item(); likewise.
+        "SCALAR_OUTPUTS": [],
     }
     assert list(meta) == [
         "BACKEND",
@@ -235,6 +237,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "KERNEL_BINARIES",
         "KERNEL_SOURCES",
         "OPTIMIZERS",
+        "SCALAR_OUTPUTS",
     ]
 
 
