@@ -154,58 +154,19 @@ class ItemValue:
         )
 
 
+# Every way Python computes with a number: each is a use of the example's value.
+_UNARY = ("bool", "float", "int", "index", "complex", "round", "trunc", "floor")
+_UNARY += ("ceil", "neg", "pos", "abs", "format", "str", "hash")
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+_BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "divmod")
+_BINARY += ("and", "or", "xor", "lshift", "rshift", "matmul")
 for _name in [
-    "__bool__",
-    "__float__",
-    "__int__",
-    "__index__",
-    "__complex__",
-    "__round__",
-    "__trunc__",
-    "__floor__",
-    "__ceil__",
-    "__neg__",
-    "__pos__",
-    "__abs__",
-    "__format__",
-    "__str__",
-    "__hash__",
-    "__eq__",
-    "__ne__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__floordiv__",
-    "__rfloordiv__",
-    "__mod__",
-    "__rmod__",
-    "__pow__",
-    "__rpow__",
-    "__divmod__",
-    "__rdivmod__",
-    "__and__",
-    "__rand__",
-    "__or__",
-    "__ror__",
-    "__xor__",
-    "__rxor__",
-    "__lshift__",
-    "__rlshift__",
-    "__rshift__",
-    "__rrshift__",
-    "__matmul__",
-    "__rmatmul__",
+    *_UNARY,
+    *_COMPARISONS,
+    *_BINARY,
+    *(f"r{name}" for name in _BINARY),
 ]:
-    setattr(ItemValue, _name, ItemValue._refuse)
+    setattr(ItemValue, f"__{_name}__", ItemValue._refuse)
 
 
 class _ValueReads(TorchFunctionMode):

@@ -735,34 +735,29 @@ def _tensor_origins(
 
 def _reject_control_flow(gm: torch.fx.GraphModule) -> None:
     # torch.cond's branches travel with the graph (each a GraphModule it reads by
-    # name, which lowering writes out); the subgraphs of other control-flow
-    # operators do not, nor a tensor a branch reads besides its operands.
+    # name, which lowering writes out); the bodies of other control-flow operators
+    # do not, nor a tensor a branch reads besides its operands.
     for module in gm.modules():
-        assert isinstance(module, torch.fx.GraphModule), "make_fx nests only graphs"
-        for node in module.graph.find_nodes(op="get_attr"):
-            value = getattr(module, str(node.target))
-            if not isinstance(value, torch.fx.GraphModule):
-                if module is not gm:
-                    raise PrecompileError(
-                        "a torch.cond branch reads a tensor that is not one of its "
-                        f"operands (shape {tuple(value.shape)}), e.g. a "
-                        "torch.tensor(...) created inside the branch. Create it "
-                        "before torch.cond and pass it in the operands."
-                    )
-                continue
-            others = [
-                str(user.target)
-                for user in node.users
-                if user.target is not torch.ops.higher_order.cond
-            ]
-            if others:
+        for node in cast(torch.fx.GraphModule, module).graph.find_nodes(op="get_attr"):
+            if isinstance(getattr(module, str(node.target)), torch.fx.GraphModule):
+                _reject_loop_body(node)
+            elif module is not gm:
                 raise PrecompileError(
-                    f"the function uses the control-flow operator {others[0]} "
-                    "(torch.while_loop, torch.map, scan, ...), whose body the "
-                    "artifact cannot carry; only torch.cond is supported. Compute "
-                    "with a fixed number of steps, or move the loop out of the "
-                    "function."
+                    "a torch.cond branch reads a tensor that is not one of its "
+                    "operands, e.g. a torch.tensor(...) created inside the branch. "
+                    "Create it before torch.cond and pass it in the operands."
                 )
+
+
+def _reject_loop_body(subgraph: torch.fx.Node) -> None:
+    for user in subgraph.users:
+        if user.target is not torch.ops.higher_order.cond:
+            raise PrecompileError(
+                f"the function uses the control-flow operator {user.target} "
+                "(torch.while_loop, torch.map, scan, ...), whose body the artifact "
+                "cannot carry; only torch.cond is supported. Compute with a fixed "
+                "number of steps, or move the loop out of the function."
+            )
 
 
 def _finish_optimizers(

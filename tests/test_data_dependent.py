@@ -397,7 +397,7 @@ def test_values_independent_of_the_inputs_are_read() -> None:
 def test_user_batch_norm_subclass_is_refused_where_it_reads() -> None:
     class LoggingBatchNorm(nn.BatchNorm1d):
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            self.seen = float(self.weight.abs().max())
+            self.seen = float(self.weight.detach().abs().max())
             return super().forward(input)
 
     model = nn.Sequential(nn.Linear(4, 6), LoggingBatchNorm(6, momentum=None))
