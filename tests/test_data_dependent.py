@@ -273,6 +273,16 @@ def cond_predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cond(x.mean() > 0, model, lambda v: model(v).relu(), (x,))
 
 
+def scaled_down(v: torch.Tensor) -> torch.Tensor:
+    return torch.cond(v.sum() < -1, lambda u: u * 3, lambda u: u - 1, (v,))
+
+
+def nested_cond(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.cond(
+        x.mean() > 0, lambda v: scaled_down(model(v)), lambda v: model(v).relu(), (x,)
+    )
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def cond_artifacts(request: pytest.FixtureRequest) -> dict[str, Callable]:
     backend = request.param
@@ -280,6 +290,7 @@ def cond_artifacts(request: pytest.FixtureRequest) -> dict[str, Callable]:
     return {
         "step": artifact(cond_step, model, x, backend=backend),
         "predict": artifact(cond_predict, model, x, backend=backend),
+        "nested": artifact(nested_cond, model, x, backend=backend),
     }
 
 
@@ -297,6 +308,19 @@ def test_cond_takes_the_branch_of_each_call(
             cond_artifacts["predict"](model, x), cond_predict(eager_model, x)
         )
     assert_same_state(model, eager_model)
+
+
+def test_nested_cond_takes_the_branches_of_each_call(
+    cond_artifacts: dict[str, Callable],
+) -> None:
+    model = make_projection(0)
+    # The outer false branch, then the inner false and true ones (the projection
+    # of this positive input sums to -0.64 per unit of scale).
+    for scale in (-1.0, 0.01, 10.0):
+        x = randn(5, 4, seed=90).abs() * scale
+        torch.testing.assert_close(
+            cond_artifacts["nested"](model, x), nested_cond(model, x)
+        )
 
 
 def test_eager_artifact_carries_the_branches() -> None:
