@@ -247,8 +247,11 @@ def test_distribution_argument_check_still_raises(
     x, scale = randn(6, 4, seed=70), torch.full((6, 1), -1.0)
     with pytest.raises(ValueError, match="scale"):
         reparametrized_step(make_regressor(0), x, scale)
+    model = make_regressor(0)
+    snapshot = StateSnapshot(model, x, scale)
     with pytest.raises(RuntimeError, match=r"torch\.distributions argument check"):
-        sampling_artifacts["normal"](make_regressor(0), x, scale)
+        sampling_artifacts["normal"](model, x, scale)
+    snapshot.assert_unchanged()
 
 
 # --- torch.cond ----------------------------------------------------------------------
@@ -457,8 +460,10 @@ def test_tensor_created_inside_a_cond_branch_is_refused() -> None:
         )
 
     model, x = make_projection(0), randn(5, 4, seed=1)
+    snapshot = StateSnapshot(model, x)
     with pytest.raises(pg.PrecompileError, match=r"torch\.cond branch.*operands"):
         pg.precompile(offset, model, x, backend="eager")
+    snapshot.assert_unchanged()
 
 
 def test_batch_norm_forward_is_restored_after_capture() -> None:
