@@ -77,9 +77,14 @@ METADATA_NAMES: tuple[str, ...] = (
     "KERNEL_BINARIES",
     "KERNEL_SOURCES",
     "OPTIMIZERS",
+    "SCALAR_OUTPUTS",
 )
 # Emitted only by captures that have them; an artifact without one has none.
-OPTIONAL_METADATA: dict[str, object] = {"PYTHON_VALUES": [], "OPTIMIZERS": []}
+OPTIONAL_METADATA: dict[str, object] = {
+    "PYTHON_VALUES": [],
+    "OPTIMIZERS": [],
+    "SCALAR_OUTPUTS": [],
+}
 
 
 class ModuleArgument(NamedTuple):
@@ -215,6 +220,9 @@ class CompiledGraph:
     imports: list[str]
     in_spec: str | None
     out_spec: str | None
+    # Eager only: the torch.cond branches fx's code reads as ``self.<name>``, each
+    # defined in ``source`` as ``_graph_<name>(self, *operands)``.
+    branches: list[str]
     # Inductor only: the lines of Inductor's module that ``inductor_imports`` rewrote
     # in ``source``, each with its replacement ("" for a dropped line).
     rewritten_imports: list[tuple[str, str]]
@@ -250,6 +258,9 @@ class CaptureResult:
     # be serialised (the driver then skips the structure check); and of the result.
     in_spec: str | None
     out_spec: str
+    # Positions among the function's flat outputs of the ``t.item()`` values it
+    # returned: the graph returns ``t``, and the driver returns ``t.item()``.
+    scalar_outputs: list[int]
     leaves: list[InputLeaf]
     # The graph inputs that shared a storage at capture (a tensor passed twice, views
     # of one storage, a parameter also passed as an input): the graph is right only
@@ -320,4 +331,5 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
             }
             for optimizer in cap.optimizers
         ],
+        "SCALAR_OUTPUTS": cap.scalar_outputs,
     }

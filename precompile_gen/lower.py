@@ -36,14 +36,14 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
         in_spec = None
     if backend == "eager":
-        graph_source, graph_imports, graph_in_spec, graph_out_spec = _eager_graph(
-            traced.gm
+        graph_source, graph_imports, graph_in_spec, graph_out_spec, branches = (
+            _eager_graph(traced.gm)
         )
         cache_artifact, kernel_sources, rewritten_imports = None, {}, []
     else:
         graph_source, cache_artifact, kernel_sources = _inductor_graph(traced)
         graph_source, rewritten_imports = _rewrite_imports(graph_source)
-        graph_imports, graph_in_spec, graph_out_spec = [], None, None
+        graph_imports, graph_in_spec, graph_out_spec, branches = [], None, None, []
     state = traced.state
     # One per graph input before the lrs: the module state, the input leaves, then
     # the optimizers' state.
@@ -92,6 +92,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         grad_resets=traced.grad_resets,
         in_spec=in_spec,
         out_spec=out_spec,
+        scalar_outputs=traced.scalar_outputs,
         leaves=[
             leaf._replace(stride=stride)
             for leaf, stride in zip(
@@ -112,6 +113,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
             imports=graph_imports,
             in_spec=graph_in_spec,
             out_spec=graph_out_spec,
+            branches=branches,
             rewritten_imports=rewritten_imports,
         ),
         kernel_binaries=kernel_binaries.digests(cache_artifact),
@@ -166,15 +168,19 @@ def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
         ) from error
 
 
-def _eager_graph(gm: torch.fx.GraphModule) -> tuple[str, list[str], str, str]:
-    """fx's code for the graph, the imports it needs and its flat in/out specs."""
+def _eager_graph(
+    gm: torch.fx.GraphModule,
+) -> tuple[str, list[str], str, str, list[str]]:
+    """fx's code for the graph (then for its torch.cond branches), the imports it
+    needs, its flat in/out specs and the branches' names."""
     # fx's code names its function ``forward``, which is the driver's public name, and
     # runs with fx's "custom builtins" (torch, device, inf, ...) injected into its
     # globals; the artifact imports them explicitly instead.
     from torch.fx.graph import _custom_builtins
 
-    source = gm.code.strip("\n").rstrip() + "\n"
-    source = source.replace("def forward(", "def _graph_forward(", 1)
+    branches = _branch_sources(gm)
+    source = _graph_function(gm, "_graph_forward")
+    source += "".join(f"\n\n{code}" for _, code in branches)
     imports = [builtin.import_str for builtin in _custom_builtins.values()]
     # make_fx traced ``flat_fn(flat)``, so fx's code unpacks and repacks through these.
     in_spec, out_spec = gm._in_spec, gm._out_spec
@@ -184,7 +190,35 @@ def _eager_graph(gm: torch.fx.GraphModule) -> tuple[str, list[str], str, str]:
         imports,
         pytree.treespec_dumps(in_spec),
         pytree.treespec_dumps(out_spec),
+        [name for name, _ in branches],
     )
+
+
+def _graph_function(gm: torch.fx.GraphModule, name: str) -> str:
+    return (
+        gm.code.strip("\n").rstrip().replace("def forward(", f"def {name}(", 1) + "\n"
+    )
+
+
+def _branch_sources(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """Each torch.cond branch in ``gm``, nested ones included, as (name, fx's code
+    for it as ``_graph_<name>``). fx's code reads a branch as ``self.<name>``; the
+    names are made unique across the nesting (``true_graph_0__false_graph_0``) so
+    that one object can stand in for ``self`` in every graph."""
+    branches: list[tuple[str, str]] = []
+
+    def visit(module: torch.fx.GraphModule, prefix: str) -> None:
+        for node in module.graph.find_nodes(op="get_attr"):
+            branch = getattr(module, str(node.target))
+            if isinstance(branch, torch.fx.GraphModule):
+                name = prefix + str(node.target)
+                visit(branch, name + "__")
+                branches.append((name, _graph_function(branch, f"_graph_{name}")))
+                node.target = name
+        module.recompile()
+
+    visit(gm, "")
+    return branches
 
 
 def _rewrite_imports(graph_source: str) -> tuple[str, list[tuple[str, str]]]:
@@ -199,6 +233,7 @@ def _inductor_graph(
     traced: TracedGraph,
 ) -> tuple[str, dict[str, object], dict[str, str]]:
     from torch._functorch import aot_autograd
+    from torch._inductor import config as inductor_config
     from torch._inductor.exc import InductorError
     from torch._inductor.standalone_compile import NoRunnableInductorModuleError
 
@@ -218,7 +253,10 @@ def _inductor_graph(
         "fallback_random": True,
     }
     try:
-        with _INDUCTOR_LOCK:
+        # The options apply to Inductor's compile only; the joint graph's passes run
+        # before it and would turn randn (normal_'s decomposition) into Inductor's
+        # own random kernel unless fallback_random is set for them too.
+        with _INDUCTOR_LOCK, inductor_config.patch(fallback_random=True):
             # torch's own cache bundle is dropped: it does not hold the kernel
             # binaries, which are what a fresh process would otherwise compile.
             graph_source, _ = aot_autograd.compile_to_python(

@@ -237,6 +237,8 @@ class DriverFeatures:
     # momentum among them, whose first step the graph cannot take.
     optimizers: bool
     dampened_momentum: bool
+    # Outputs the function returned as t.item(), which the driver converts.
+    scalar_outputs: bool
 
     @property
     def layouts(self) -> bool:
@@ -291,6 +293,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
             for optimizer in cap.optimizers
             for group in optimizer.groups
         ),
+        scalar_outputs=bool(cap.scalar_outputs),
     )
 
 

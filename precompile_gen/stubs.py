@@ -34,6 +34,10 @@ _GRAPH_STUBS: dict[Backend, str] = {
     "eager": (
         "def _graph_forward(self: object, flat: list[object]) -> list[object]:\n"
         "    return list(flat)\n"
+        "\n"
+        "\n"
+        "def _graph_true_graph_0(self: object, x: object) -> tuple[object]:\n"
+        "    return (x,)\n"
     ),
     "inductor": (
         "AsyncCompile = _AsyncCompile\n"
@@ -114,6 +118,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         grad_resets=[(0, True)],
         in_spec=_INPUT_SPEC,
         out_spec=_FLAT_SPEC,
+        scalar_outputs=[0],
         leaves=[
             InputLeaf(
                 shape=(None, 4),
@@ -134,6 +139,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
             imports=_EAGER_GRAPH_IMPORTS if eager else [],
             in_spec=_FLAT_SPEC if eager else None,
             out_spec=_FLAT_SPEC if eager else None,
+            branches=["true_graph_0"] if eager else [],
             rewritten_imports=[] if eager else _REWRITTEN_IMPORTS,
         ),
         kernel_binaries={_BINARY: "0" * 64},
@@ -200,9 +206,10 @@ def no_features_capture(backend: Backend) -> CaptureResult:
         buffers=[stub.buffers[0]._replace(stride=None)],
         grad_param_indices=[],
         grad_resets=[],
+        scalar_outputs=[],
         leaves=[stub.leaves[0]._replace(shape=(2, 4), bounds=None, symbols=None)],
         aliased_inputs=[],
-        graph=dataclasses.replace(stub.graph, tensor_literals=[]),
+        graph=dataclasses.replace(stub.graph, tensor_literals=[], branches=[]),
     )
 
 

@@ -29,6 +29,7 @@ from torch.nn.utils import stateless
 from precompile_gen import (
     aliasing,
     convention,
+    data_dependent,
     dynamic_dims,
     grad_resets,
     optimizers,
@@ -114,6 +115,8 @@ class TracedGraph:
     # user-input leaves and the optimizers' state and lr tensors.
     constants: list[tuple[str, torch.Tensor]]
     grad_param_indices: list[int]
+    # Positions among fn's flat outputs of the ``.item()`` values it returned.
+    scalar_outputs: list[int]
     grad_resets: list[tuple[int, bool]]
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
@@ -253,6 +256,7 @@ def trace(
                 [entry.optimizer for entry in lifted_optimizers],
                 stepped,
             ),
+            data_dependent.value_reads(modules, fn_name),
         ):
             args = _interleave(example_inputs, lifted_positions, inputs)
             try:
@@ -263,6 +267,9 @@ def trace(
         grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat[:state_start], leaf_names)
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
+        result_leaves, harvest["scalar_outputs"] = data_dependent.scalar_outputs(
+            result_leaves
+        )
         _reject_opaque_results(result, result_leaves, fn_name)
         harvest["grad_param_indices"] = [
             i for i, g in enumerate(grads) if g is not None
@@ -287,9 +294,9 @@ def trace(
     except PrecompileError:
         raise
     except Exception as error:
-        guard = dynamic_dims.guard_error_in(error)
-        if guard is not None and symbolic is not None:
-            raise dynamic_dims.data_dependent_error(guard, symbolic, fn_name) from error
+        untraceable = _untraceable(error, symbolic, fn_name)
+        if untraceable is not None:
+            raise untraceable from error
         if any(error is raised for raised in raised_by_fn):
             # The function's own exception, as eager would raise it, so that the
             # caller's ``except`` clauses keep working; the note says where it rose.
@@ -352,6 +359,7 @@ def trace(
         mutated_inputs=mutated_inputs,
         constants=constants,
         grad_param_indices=harvest["grad_param_indices"],
+        scalar_outputs=harvest["scalar_outputs"],
         grad_resets=sorted(resets.items()),
         in_spec=in_spec,
         out_spec=harvest["out_spec"],
@@ -378,6 +386,19 @@ def trace(
             )
         ],
     )
+
+
+def _untraceable(
+    error: Exception,
+    symbolic: dynamic_dims.SymbolicInputs | None,
+    fn_name: str,
+) -> PrecompileError | None:
+    """The ``PrecompileError`` for a trace that stopped where fn's code depends on
+    tensor values (a guard on a dynamic dim, a value read), or None."""
+    guard = dynamic_dims.guard_error_in(error)
+    if guard is not None and symbolic is not None:
+        return dynamic_dims.data_dependent_error(guard, symbolic, fn_name)
+    return data_dependent.value_read_error(error, fn_name)
 
 
 @contextlib.contextmanager
@@ -724,21 +745,30 @@ def _tensor_origins(
 
 
 def _reject_control_flow(gm: torch.fx.GraphModule) -> None:
-    # torch.cond and friends trace into nested GraphModules that the artifact's single
-    # flat graph cannot carry.
-    subgraphs = [
-        str(node.target)
-        for node in gm.graph.find_nodes(op="get_attr")
-        if isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule)
-    ]
-    if subgraphs:
-        raise PrecompileError(
-            "the function uses a control-flow operator (torch.cond, torch.while_loop, "
-            f"...) whose branches were captured as subgraphs {subgraphs}; an artifact "
-            "holds one flat graph, so these are not supported. Compute both branches "
-            "and select with torch.where, or branch in Python (the trace then follows "
-            "the example's path)."
-        )
+    # torch.cond's branches travel with the graph (each a GraphModule it reads by
+    # name, which lowering writes out); the bodies of other control-flow operators
+    # do not, nor a tensor a branch reads besides its operands.
+    for module in gm.modules():
+        for node in cast(torch.fx.GraphModule, module).graph.find_nodes(op="get_attr"):
+            if isinstance(getattr(module, str(node.target)), torch.fx.GraphModule):
+                _reject_loop_body(node)
+            elif module is not gm:
+                raise PrecompileError(
+                    "a torch.cond branch reads a tensor that is not one of its "
+                    "operands, e.g. a torch.tensor(...) created inside the branch. "
+                    "Create it before torch.cond and pass it in the operands."
+                )
+
+
+def _reject_loop_body(subgraph: torch.fx.Node) -> None:
+    for user in subgraph.users:
+        if user.target is not torch.ops.higher_order.cond:
+            raise PrecompileError(
+                f"the function uses the control-flow operator {user.target} "
+                "(torch.while_loop, torch.map, scan, ...), whose body the artifact "
+                "cannot carry; only torch.cond is supported. Compute with a fixed "
+                "number of steps, or move the loop out of the function."
+            )
 
 
 def _finish_optimizers(

@@ -119,6 +119,7 @@ def inductor_inference() -> pg.CaptureResult:
             f"[{_LEAF}]}}]"
         ),
         out_spec=f"[1, {_LEAF}]",
+        scalar_outputs=[],
         leaves=[
             InputLeaf(
                 shape=(3, 4),
@@ -137,6 +138,7 @@ def inductor_inference() -> pg.CaptureResult:
             imports=[],
             in_spec=None,
             out_spec=None,
+            branches=[],
             rewritten_imports=rewritten_imports,
         ),
         # The canned graph's kernels are not compiled here: nothing is pinned.

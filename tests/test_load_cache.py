@@ -198,8 +198,16 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "ALIASED_INPUTS": [],
         "KERNEL_BINARIES": {},
         "KERNEL_SOURCES": {},
+        # The BatchNorm's values the trace read and built into the graph.
+        "PYTHON_VALUES": [
+            ("argument 1: .bn.eps", "1e-05"),
+            ("argument 1: .bn.momentum", "0.1"),
+            ("argument 1: .bn.track_running_stats", "True"),
+        ],
         # Emitted only with optimizer arguments; its absence reads as none.
         "OPTIMIZERS": [],
+        # Emitted only by a function that returns t.item(); likewise.
+        "SCALAR_OUTPUTS": [],
     }
     assert list(meta) == [
         "BACKEND",
@@ -208,6 +216,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "MODULE_TRAINING",
         "MODULE_HOOKS",
         "GLOBAL_MODULE_HOOKS",
+        "PYTHON_VALUES",
         "PARAM_NAMES",
         "BUFFER_NAMES",
         "PARAM_SHAPES",
@@ -235,6 +244,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "KERNEL_BINARIES",
         "KERNEL_SOURCES",
         "OPTIMIZERS",
+        "SCALAR_OUTPUTS",
     ]
 
 

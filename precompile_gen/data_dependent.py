@@ -1,0 +1,299 @@
+"""Data-dependent code: what the trace does where ``fn`` reads a tensor's value.
+
+make_fx records tensor operations, not Python values: a value read from a tensor while
+tracing (``bool(t)``, ``.item()``, ``.tolist()``) is the example's, and whatever fn
+computes from it would be built into the graph for every call. Three common reads are
+captured as eager runs them; every other one is refused, naming the line in fn's code.
+
+- ``t.item()`` in fn's own code gives an ``ItemValue``. Returned from fn, the graph
+  returns ``t`` and the driver calls ``.item()`` on it (``SCALAR_OUTPUTS``); any other
+  use of it is refused.
+- A ``bool(t)`` inside ``torch.distributions`` is argument validation (``if not
+  valid.all(): raise ValueError``): the trace takes the example's branch and the graph
+  asserts, at every call, that the call's value is the example's.
+- ``BatchNorm(momentum=None)`` in training mode divides by
+  ``float(num_batches_tracked)``: its forward is traced as the same update with the
+  factor kept a tensor (``cumulative_batch_norms``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import sys
+import sysconfig
+import types
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental import proxy_tensor
+from torch.overrides import TorchFunctionMode
+
+from precompile_gen.errors import PrecompileError
+
+# Frames in these folders are library code (torch, this package, the standard
+# library but its site-packages); the user's code is every other frame.
+_LIBRARY_DIRS = (
+    str(Path(torch.__file__).parent) + "/",
+    str(Path(__file__).parent) + "/",
+)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + "/"
+_SITE_DIR = sysconfig.get_paths()["purelib"] + "/"
+_DISTRIBUTIONS_DIR = str(Path(torch.distributions.__file__).parent) + "/"
+# make_fx's refusal of a value read from a traced tensor (``_local_scalar_dense``).
+_MAKE_FX_VALUE_READ = "get value out of a tracing tensor"
+_FIXES = (
+    "Keep the computation on tensors: select with torch.where(condition, a, b), "
+    "branch with torch.cond(predicate, true_fn, false_fn, operands), or move the "
+    "branch (or the value read) out of the function, after the precompiled call. "
+    "Returning t.item() itself is supported."
+)
+
+
+class DataDependentError(PrecompileError):
+    """fn read a tensor's value in a way the artifact cannot reproduce."""
+
+
+def is_library(filename: str) -> bool:
+    """Whether a frame in ``filename`` is library code rather than the user's."""
+    if filename.startswith(_STDLIB_DIR) and not filename.startswith(_SITE_DIR):
+        return True
+    return filename.startswith(_LIBRARY_DIRS)
+
+
+def _where(filename: str, lineno: int, *, code: bool = True) -> str:
+    line = linecache.getline(filename, lineno).strip() if code else ""
+    return f"{filename}:{lineno}" + (f" ({line})" if line else "")
+
+
+def _caller(skip: int = 2, *, code: bool = True) -> str:
+    """The innermost frame of the user's code on the current stack."""
+    frame: types.FrameType | None = sys._getframe(skip)
+    while frame is not None and is_library(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown line"
+    return _where(frame.f_code.co_filename, frame.f_lineno, code=code)
+
+
+def _innermost_user_frame(traceback: types.TracebackType | None) -> str:
+    where = "an unknown line"
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if not is_library(code.co_filename):
+            where = _where(code.co_filename, traceback.tb_lineno)
+        traceback = traceback.tb_next
+    return where
+
+
+def value_read_error(error: BaseException, fn_name: str) -> PrecompileError | None:
+    """make_fx's refusal of a value read, as a ``PrecompileError`` naming the line of
+    fn's code that read it; None for any other error."""
+    if not isinstance(error, RuntimeError) or _MAKE_FX_VALUE_READ not in str(error):
+        return None
+    return _refusal(
+        f"{fn_name!r} converts a tensor computed from its inputs to a Python value "
+        "(if t: ..., bool(t), float(t), int(t) or .item()) at "
+        f"{_innermost_user_frame(error.__traceback__)}"
+    )
+
+
+def _refusal(lead: str) -> DataDependentError:
+    return DataDependentError(
+        f"{lead}. The trace records tensor operations, not "
+        "Python values, so the artifact would keep the example's value (and any "
+        f"branch decided on it) for every call. {_FIXES}"
+    )
+
+
+def _depends_on_inputs(tensor: object) -> bool:
+    """Whether make_fx computed ``tensor`` from a graph input or a random draw: a
+    value read from it would differ between calls. (One computed only from
+    constants, ``torch.arange(3)``, is the same at every call.)"""
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None or not isinstance(tensor, torch.Tensor):
+        return False
+    slot = proxy_tensor.get_proxy_slot(tensor, mode.tracer, None)
+    if slot is None or slot.constant is not None:
+        return False
+    pending, seen = [slot.proxy.node], set()
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        target = node.target
+        random = isinstance(target, torch._ops.OpOverload) and (
+            torch.Tag.nondeterministic_seeded in target.tags
+        )
+        if node.op == "placeholder" or random:
+            return True
+        pending.extend(node.all_input_nodes)
+    return False
+
+
+class ItemValue:
+    """``t.item()`` in fn's own code while traced: a value the graph does not have.
+    fn may return it (the artifact returns ``t.item()`` of the call's ``t``); any
+    other use would compute with the example's number, and is refused."""
+
+    __slots__ = ("fn_name", "tensor", "where")
+
+    def __init__(self, tensor: torch.Tensor, where: str, fn_name: str) -> None:
+        self.tensor = tensor
+        self.where = where
+        self.fn_name = fn_name
+
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
+        raise _refusal(
+            f"{self.fn_name!r} computes with the Python number that .item() gave at "
+            f"{self.where}, at {_caller()}"
+        )
+
+
+# Every way Python computes with a number: each is a use of the example's value.
+_UNARY = ("bool", "float", "int", "index", "complex", "round", "trunc", "floor")
+_UNARY += ("ceil", "neg", "pos", "abs", "format", "str", "hash")
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+_BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "divmod")
+_BINARY += ("and", "or", "xor", "lshift", "rshift", "matmul")
+for _name in [
+    *_UNARY,
+    *_COMPARISONS,
+    *_BINARY,
+    *(f"r{name}" for name in _BINARY),
+]:
+    setattr(ItemValue, f"__{_name}__", ItemValue._refuse)
+
+
+class _ValueReads(TorchFunctionMode):
+    def __init__(self, fn_name: str) -> None:
+        super().__init__()
+        self.fn_name = fn_name
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: object,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> object:
+        kwargs = kwargs or {}
+        if func not in _READS or not args:
+            return func(*args, **kwargs)
+        if not _depends_on_inputs(args[0]):
+            if isinstance(args[0], torch.Tensor) and not proxy_tensor.is_fake(args[0]):
+                # The same value at every call: read it, as make_fx reads constants.
+                with proxy_tensor.disable_proxy_modes_tracing():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        caller = sys._getframe(1).f_code.co_filename
+        if func is torch.Tensor.item and not is_library(caller):
+            return ItemValue(args[0].detach(), _caller(), self.fn_name)
+        if func is torch.Tensor.tolist:
+            raise _refusal(
+                f"{self.fn_name!r} calls .tolist() on a tensor computed from its "
+                f"inputs at {_caller()}"
+            )
+        if func is torch.Tensor.__bool__ and caller.startswith(_DISTRIBUTIONS_DIR):
+            return _asserted_bool(args[0], _caller(code=False))
+        return func(*args, **kwargs)
+
+
+_READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__)
+
+
+def _asserted_bool(tensor: torch.Tensor, where: str) -> bool:
+    """The example's ``bool(tensor)``, with an assertion in the graph that each call
+    gives the same: the trace follows the example's branch only."""
+    if proxy_tensor.is_fake(tensor):
+        # A symbolic trace has no value to follow; make_fx's refusal names the line.
+        return bool(tensor)
+    with proxy_tensor.disable_proxy_modes_tracing():
+        value = bool(tensor)
+    held = tensor.bool() if value else tensor.logical_not()
+    # Inductor writes the message into a C++ string literal.
+    place = where.replace("\\", "/").replace('"', "'")
+    torch._assert_async(
+        held,
+        "precompile_gen: a torch.distributions argument check gives another result "
+        f"than at capture (the distribution built at {place}): a parameter or value "
+        "is outside its constraint, where eager raises ValueError",
+    )
+    return value
+
+
+@contextlib.contextmanager
+def value_reads(modules: list[torch.nn.Module], fn_name: str) -> Generator[None]:
+    """While fn is traced: the reads described in the module docstring."""
+    with cumulative_batch_norms(modules), _ValueReads(fn_name):
+        yield
+
+
+def scalar_outputs(leaves: list[object]) -> tuple[list[object], list[int]]:
+    """fn's result leaves with each returned ``.item()`` as its tensor, which the
+    graph returns, and the positions the driver turns back into Python numbers."""
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, ItemValue)]
+    return [
+        leaf.tensor if isinstance(leaf, ItemValue) else leaf for leaf in leaves
+    ], positions
+
+
+def _cumulative_forward(module: Any, input: torch.Tensor) -> torch.Tensor:
+    # Eager's update with momentum=None: factor = 1 / num_batches_tracked after the
+    # increment, running = (1 - factor) * running + factor * batch statistic. The
+    # batch statistics come from batch_norm itself with momentum 1 into zeroed
+    # tensors, so the output and the unbiased variance are eager's own.
+    module._check_input_dim(input)
+    module.num_batches_tracked.add_(1)
+    factor = module.num_batches_tracked.double().reciprocal()
+    batch_mean = torch.zeros_like(module.running_mean)
+    batch_var = torch.zeros_like(module.running_var)
+    output = F.batch_norm(
+        input,
+        batch_mean,
+        batch_var,
+        module.weight,
+        module.bias,
+        True,
+        1.0,
+        module.eps,
+    )
+    with torch.no_grad():
+        module.running_mean.mul_(1 - factor).add_(batch_mean * factor)
+        module.running_var.mul_(1 - factor).add_(batch_var * factor)
+    return output
+
+
+def _is_cumulative(module: torch.nn.Module) -> bool:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return (
+        isinstance(module, _BatchNorm)
+        and type(module).forward is _BatchNorm.forward
+        and module.momentum is None
+        and module.training
+        and module.track_running_stats
+    )
+
+
+@contextlib.contextmanager
+def cumulative_batch_norms(modules: list[torch.nn.Module]) -> Generator[None]:
+    """Trace each BatchNorm with momentum=None in training mode (a cumulative
+    average of the batch statistics) through ``_cumulative_forward``."""
+    patched = [
+        submodule
+        for module in modules
+        for submodule in module.modules()
+        if _is_cumulative(submodule)
+    ]
+    for submodule in patched:
+        submodule.forward = types.MethodType(_cumulative_forward, submodule)
+    try:
+        yield
+    finally:
+        for submodule in patched:
+            del submodule.forward
