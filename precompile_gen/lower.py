@@ -252,10 +252,12 @@ def _inductor_graph(
         "scalar_asserts": dynamic,
         "fallback_random": True,
     }
+    _random_fills_in_eager_layout(traced.gm)
     try:
-        # The options apply to Inductor's compile only; the joint graph's passes run
-        # before it and would turn randn (normal_'s decomposition) into Inductor's
-        # own random kernel unless fallback_random is set for them too.
+        # compile_to_python applies ``options`` to Inductor's compile only, after
+        # AOTAutograd has decomposed the graph with the decompositions of the ambient
+        # config; without fallback_random there, rand_like and friends become
+        # Inductor's own random ops, which its fallback_random compile refuses.
         with _INDUCTOR_LOCK, inductor_config.patch(fallback_random=True):
             # torch's own cache bundle is dropped: it does not hold the kernel
             # binaries, which are what a fresh process would otherwise compile.
@@ -294,3 +296,157 @@ def _inductor_graph(
             "select_decomp_table()), or use backend='eager' to run the captured "
             "graph without compiling it."
         ) from error
+
+
+def _random_fills_in_eager_layout(gm: torch.fx.GraphModule) -> None:
+    """Give each tensor a random op fills in place (dropout's mask:
+    ``empty_like(x).bernoulli_(p)``) the layout eager gives it.
+
+    A fill draws its numbers in the order of the tensor's memory (and ``normal_``
+    draws contiguous tensors by another algorithm), while eager's ``empty_like``
+    keeps the layout of its input (a transposed attention output, say) and
+    Inductor's lays the tensor out contiguously: the same seed would fill another
+    mask. Inductor keeps the strides of ``empty_strided``, and hands the fallback
+    kernels (uniform_, normal_, ...) tensors in them; ``bernoulli_`` it lowers to a
+    fill of a contiguous copy, so that one fills a contiguous tensor shaped as
+    eager's memory is, permuted back into the logical order."""
+    graph = gm.graph
+    empties = graph.find_nodes(
+        op="call_function", target=torch.ops.aten.empty_like.default
+    )
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    changed = False
+    for node in list(empties):
+        value = _static_value(node)
+        if value is None or not node.users:
+            continue
+        fill = min(node.users, key=position.__getitem__)
+        if not (_fills_randomly(fill) and fill.args[0] is node):
+            continue
+        if fill.target in _FILLS_OF_A_CONTIGUOUS_COPY:
+            changed |= _fill_in_memory_order(graph, node, fill, value)
+        else:
+            _allocate_strided(graph, node, value)
+            changed = True
+    for target, fill in _LIKE_OPS.items():
+        for node in list(graph.find_nodes(op="call_function", target=target)):
+            value = _static_value(node)
+            if value is not None and node.kwargs.get("generator") is None:
+                _fill_strided(graph, node, value, fill)
+                changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+
+
+def _static_value(node: torch.fx.Node) -> torch.Tensor | None:
+    # A dynamic capture's sizes are symbols, which a node cannot take as constants;
+    # its random tensors keep Inductor's layout (README, "Random numbers").
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    if not all(type(n) is int for n in (*value.shape, *value.stride())):
+        return None
+    return value
+
+
+# ``rand_like(x)`` is ``empty_like(x).uniform_(0, 1)`` in eager; Inductor calls it
+# on x in the layout it chose for x, which need not be eager's.
+_LIKE_OPS = {
+    torch.ops.aten.rand_like.default: (torch.ops.aten.uniform_.default, (0.0, 1.0)),
+    torch.ops.aten.randn_like.default: (torch.ops.aten.normal_.default, (0.0, 1.0)),
+}
+
+
+def _fill_strided(
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    value: torch.Tensor,
+    fill: tuple[torch._ops.OpOverload, tuple[float, float]],
+) -> None:
+    target, arguments = fill
+    strided = _empty_strided(graph, node, value)
+    with graph.inserting_before(node):
+        filled = graph.call_function(target, (strided, *arguments))
+    filled.meta = dict(node.meta)
+    node.replace_all_uses_with(filled)
+    graph.erase_node(node)
+
+
+# The in-place random ops Inductor lowers to a fill of a contiguous copy of their
+# input, whatever its strides.
+_FILLS_OF_A_CONTIGUOUS_COPY = (torch.ops.aten.bernoulli_.float,)
+
+
+def _allocate_strided(
+    graph: torch.fx.Graph, node: torch.fx.Node, value: torch.Tensor
+) -> None:
+    strided = _empty_strided(graph, node, value)
+    node.replace_all_uses_with(strided)
+    graph.erase_node(node)
+
+
+def _empty_strided(
+    graph: torch.fx.Graph, node: torch.fx.Node, value: torch.Tensor
+) -> torch.fx.Node:
+    """An uninitialised tensor like ``value``, in its strides, before ``node``."""
+    with graph.inserting_before(node):
+        strided = graph.call_function(
+            torch.ops.aten.empty_strided.default,
+            (list(value.shape), list(value.stride())),
+            {"dtype": value.dtype, "device": value.device},
+        )
+    strided.meta = dict(node.meta)
+    return strided
+
+
+def _fill_in_memory_order(
+    graph: torch.fx.Graph, node: torch.fx.Node, fill: torch.fx.Node, value: torch.Tensor
+) -> bool:
+    order = _memory_order(value)
+    if order is None or order == sorted(order):
+        return False
+    with graph.inserting_before(node):
+        base = graph.call_function(
+            torch.ops.aten.empty.memory_format,
+            ([value.shape[dim] for dim in order],),
+            {"dtype": value.dtype, "device": value.device},
+        )
+    fill.args = (base, *fill.args[1:])
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    with graph.inserting_after(fill):
+        mask = graph.call_function(torch.ops.aten.permute.default, (fill, inverse))
+    for user in list(fill.users):
+        if user is not mask:
+            user.replace_input_with(fill, mask)
+    node.replace_all_uses_with(mask)
+    graph.erase_node(node)
+    return True
+
+
+def _fills_randomly(node: torch.fx.Node) -> bool:
+    # An in-place op that draws from the generator: bernoulli_, uniform_, normal_...
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    first = target._schema.arguments[0] if target._schema.arguments else None
+    return (
+        torch.Tag.nondeterministic_seeded in target.tags
+        and first is not None
+        and first.alias_info is not None
+        and first.alias_info.is_write
+    )
+
+
+def _memory_order(value: torch.Tensor) -> list[int] | None:
+    """The dims of a dense tensor from the outermost in memory to the innermost, or
+    None where its layout is no permutation of a contiguous one."""
+    order = sorted(
+        range(value.dim()), key=lambda dim: (-value.stride(dim), -value.shape[dim])
+    )
+    expected = 1
+    for dim in reversed(order):
+        if value.shape[dim] != 1 and value.stride(dim) != expected:
+            return None
+        expected *= value.shape[dim]
+    return order

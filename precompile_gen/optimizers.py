@@ -167,9 +167,18 @@ def _lr(
             f"an optimizer's lr is a tensor of shape {tuple(lr.shape)}; it must be a "
             "number or a one-element tensor."
         )
-    # The step computes with lr in the dtype of the step count.
     device = params[indices[0]].device if indices else torch.device("cpu")
-    return str(_scalar_dtype()), str(device)
+    # Eager's step computes with a number lr as a Python float, in double precision
+    # (a tensor lr in its own dtype): a float32 lr would round the update of a
+    # float64 parameter.
+    if isinstance(lr, torch.Tensor):
+        return str(lr.dtype), str(device)
+    return str(_widest_float(device)), str(device)
+
+
+def _widest_float(device: torch.device) -> torch.dtype:
+    # MPS has no float64.
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _first_state(
@@ -230,6 +239,7 @@ def stepping_copies(
     (``lrs``); it steps with the capturable formulation. Everything is put back."""
     state_iter = iter(state_copies)
     lr_iter = iter(lrs)
+    widened = _WidenedCounts()
     saved = []
     for entry in lifted:
         optimizer = entry.optimizer
@@ -242,7 +252,10 @@ def stepping_copies(
         )
         traced_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for spec in entry.argument.state:
-            traced_state[param_copies[spec.param]][spec.key] = next(state_iter)
+            tensor = next(state_iter)
+            if spec.key == "step":
+                tensor = widened.count(tensor)
+            traced_state[param_copies[spec.param]][spec.key] = tensor
         optimizer.state = traced_state
         for group, spec in zip(
             optimizer.param_groups, entry.argument.groups, strict=True
@@ -252,6 +265,7 @@ def stepping_copies(
             group["capturable"] = True
     try:
         yield
+        widened.write_back()
     finally:
         for entry, (state, groups, opt_called) in zip(lifted, saved, strict=True):
             optimizer = entry.optimizer
@@ -265,6 +279,52 @@ def stepping_copies(
                 vars(optimizer).pop("_opt_called", None)
             else:
                 cast(Any, optimizer)._opt_called = opt_called
+
+
+class _WidenedCounts:
+    """The step counts the traced step reads, as float64 copies of the state.
+
+    Eager's step reads its count as a Python number (``.item()``) and computes the
+    bias corrections in double precision; the capturable formulation computes them
+    in the count's dtype, float32, which would round the update of a float64
+    parameter (and, less, of a float32 one). A count is an integer, exact in both
+    dtypes; the state keeps eager's dtype, so the step's increment is written back.
+    """
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def count(self, state: torch.Tensor) -> torch.Tensor:
+        wide = _widest_float(state.device)
+        if state.dtype == wide:
+            return state
+        copy = state.to(wide)
+        self.pairs.append((state, copy))
+        return copy
+
+    def write_back(self) -> None:
+        # Every count, stepped or not (a foreach step does not bump the version
+        # counter); ``state_read`` erases the writes of counts no step touched.
+        for state, copy in self.pairs:
+            state.copy_(copy)
+
+
+def state_read(graph: torch.fx.Graph, placeholder: torch.fx.Node) -> bool:
+    """Whether the traced step read the state tensor input ``placeholder``. A float64
+    copy of a step count that no step read (``fn`` did not step, or the parameter
+    got no gradient), and its write back, are erased first, so that its count is no
+    input."""
+    for user in list(placeholder.users):
+        if user.target is torch.ops.aten._to_copy.default and all(
+            write.target is torch.ops.aten.copy_.default
+            and write.args == (placeholder, user)
+            and not write.users
+            for write in user.users
+        ):
+            for write in list(user.users):
+                graph.erase_node(write)
+            graph.erase_node(user)
+    return bool(placeholder.users)
 
 
 def lr_tensors(lifted: list[LiftedOptimizer]) -> list[torch.Tensor]:

@@ -82,8 +82,10 @@ class ModuleState:
     tensors: list[torch.Tensor]
     param_names: list[str]
     buffer_names: list[str]
-    # (module index, attribute path, index into ``tensors``) for every name, aliases
-    # of tied weights included, so each module can be reparametrised completely.
+    # (module index, attribute path, index into ``tensors``) for every attribute that
+    # holds one, aliases of tied weights included, so each module can be
+    # reparametrised completely; a submodule reachable by several paths is bound by
+    # the first only, since all its paths name one attribute.
     bindings: list[tuple[int, str, int]]
 
     @property
@@ -153,12 +155,18 @@ def lift_module_state(modules: list[torch.nn.Module]) -> ModuleState:
     completely, aliases of tied tensors included."""
     tensors, names, num_params = convention.module_state(modules)
     index_of = {id(tensor): index for index, tensor in enumerate(tensors)}
-    bindings = [
-        (mi, name, index_of[id(tensor)])
-        for mi, module in enumerate(modules)
-        for kind in ("named_parameters", "named_buffers")
-        for name, tensor in convention.named_members([module], kind)
-    ]
+    bindings = []
+    # Swapping one attribute twice in one reparametrisation would restore it to the
+    # first swap's tensor, replacing the user's parameter, so each is bound once.
+    bound: set[tuple[int, str]] = set()
+    for mi, module in enumerate(modules):
+        for kind in ("named_parameters", "named_buffers"):
+            for name, tensor in convention.named_members([module], kind):
+                owner_path, _, attribute = name.rpartition(".")
+                slot = (id(module.get_submodule(owner_path)), attribute)
+                if slot not in bound:
+                    bound.add(slot)
+                    bindings.append((mi, name, index_of[id(tensor)]))
     return ModuleState(tensors, names[:num_params], names[num_params:], bindings)
 
 
@@ -284,6 +292,7 @@ def trace(
             torch.enable_grad(),
             mode,
             _compiling(),
+            _rnns_step_by_step(),
             python_state.refusing_python_rng(fn),
         ):
             gm = make_fx(
@@ -415,6 +424,21 @@ def _compiling() -> Generator[None]:
 
 
 @contextlib.contextmanager
+def _rnns_step_by_step() -> Generator[None]:
+    """Trace LSTM, GRU and RNN layers as torch's step-by-step formulation (matrix
+    products and activations per time step) rather than oneDNN's fused layer:
+    that layer hands its backward a workspace only while grad mode is on, and the
+    artifact runs the graph without it, so the backward would get None. Other ops
+    are recorded the same either way; oneDNN still serves them at run time."""
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(previous)
+
+
+@contextlib.contextmanager
 def _reparametrized(
     modules: list[torch.nn.Module], state: ModuleState, tensors: list[Any]
 ) -> Generator[None]:
@@ -422,7 +446,8 @@ def _reparametrized(
         for mi, module in enumerate(modules):
             mapping = {name: tensors[ti] for i, name, ti in state.bindings if i == mi}
             stack.enter_context(
-                stateless._reparametrize_module(module, mapping, tie_weights=True)
+                # Tying would add back the aliases the bindings leave out on purpose.
+                stateless._reparametrize_module(module, mapping, tie_weights=False)
             )
         yield
 
@@ -791,7 +816,7 @@ def _finish_optimizers(
     for entry in lifted:
         kept = []
         for spec in entry.argument.state:
-            if placeholders[position].users:
+            if optimizers.state_read(gm.graph, placeholders[position]):
                 kept.append(spec)
             else:
                 unused.append(position)
@@ -813,6 +838,7 @@ def _finish_optimizers(
                 )
             position += 1
     _drop_inputs(gm, unused)
+    gm.recompile()  # state_read may have erased nodes
     for index in reversed(unused):
         del flat_args[index]
     return arguments
