@@ -203,7 +203,7 @@ OPTIMIZERS: list[dict[str, "Any"]] = [
         "class": "SGD",
         "groups": [
             {
-                "lr": ("torch.float32", "cpu"),
+                "lr": ("torch.float64", "cpu"),
                 "options": {
                     "dampening": 0,
                     "differentiable": False,
