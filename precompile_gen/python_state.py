@@ -127,11 +127,13 @@ def _dynamo_pass(
     from torch._dynamo import guards, side_effects
 
     frame: dict[str, Any] = {}
+    compiled_codes: list[types.CodeType] = []
     build_guards = guards.CheckFunctionManager.__init__
 
     def record_scope(self: Any, code: Any, output_graph: Any, *a: Any, **k: Any):
         # The frame whose guards follow: ``G[...]`` means its module's globals.
         frame["globals"] = output_graph.global_scope
+        compiled_codes.append(code)
         build_guards(self, code, output_graph, *a, **k)
 
     def keep(entries: Sequence[Any]) -> list[bool]:
@@ -151,8 +153,13 @@ def _dynamo_pass(
         _note_effect(reads, var, None)
         return mutation(self, var)
 
-    # A fresh code object: Dynamo caches compiled frames per code object, and a
-    # cached one would not pass through ``keep`` again.
+    # A backend of this pass's own: Dynamo reuses a frame it compiled before (fn's
+    # own, after a graph break in it) only for the same backend, and a reused frame
+    # would not pass through ``keep`` again.
+    def run_eagerly(gm: torch.fx.GraphModule, example_inputs: object) -> Any:
+        return gm.forward
+
+    # A fresh code object for the entry, for the same reason.
     def entry(*args: object) -> object:
         return fn(*args)
 
@@ -173,12 +180,20 @@ def _dynamo_pass(
                 assume_static_by_default=True,
                 automatic_dynamic_shapes=False,
                 suppress_errors=False,
+                # A frame Dynamo gives up on runs unobserved: say so instead.
+                fail_on_recompile_limit_hit=True,
             )
         )
         stack.enter_context(refusing_python_rng(fn))
-        yield torch.compile(entry, backend="eager", options={"guard_filter_fn": keep})
-    # Release the pass's compiled frames (their guards hold the copies).
-    torch._dynamo.eval_frame.reset_code(entry.__code__)
+        try:
+            yield torch.compile(
+                entry, backend=run_eagerly, options={"guard_filter_fn": keep}
+            )
+        finally:
+            # Release the pass's compiled frames: their guards hold the copies, and
+            # each capture of the same function would add to their count.
+            for code in compiled_codes:
+                torch._dynamo.eval_frame.reset_code(code)
 
 
 @contextlib.contextmanager

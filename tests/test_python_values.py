@@ -359,3 +359,18 @@ def test_an_optimizers_own_state_is_not_an_effect() -> None:
 
     cap = pg.capture(step, model, opt, example(), backend="eager")
     assert cap.optimizers
+
+
+def test_each_capture_of_one_function_records_its_values() -> None:
+    # The backward breaks Dynamo's graph inside the step, so the step's own frame is
+    # compiled: a second capture must not reuse what the first one compiled.
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach() * SCALE
+
+    for _ in range(3):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))
+        cap = pg.capture(step, model, example(), backend="eager")
+        assert ("argument 0: .1.p", "0.0") in cap.python_values
+        assert (f"global SCALE (module {__name__})", "1.0") in cap.python_values

@@ -114,6 +114,11 @@ MODULE_TRAINING: list[list[bool]] = [[True, True, True, True]]
 # trace ran them, so the graph has their effect built in and runs no other hook.
 MODULE_HOOKS: list[dict[str, dict[str, int]]] = [{}]
 GLOBAL_MODULE_HOOKS: dict[str, int] = {}
+# The Python values the traced code read and built into the graph, each by its path
+# ("argument 0: .config.flag", "global SCALE (module __main__)") with its repr then.
+# Every call must bring the same; a global of a module this process has not imported,
+# and the traced function's own closure variables, cannot be checked.
+PYTHON_VALUES: list[tuple[str, str]] = [("argument 0: .1.inplace", "False")]
 # All modules' parameters, then all modules' buffers, in named_parameters() /
 # named_buffers() order, each tensor once (a tied weight appears under its first name).
 # With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
@@ -177,6 +182,9 @@ KERNEL_SOURCES: dict[str, str] = {}
 # ====================================================================================
 # 3. Driver: validate the call, run the graph, scatter gradients
 # ====================================================================================
+import reprlib
+import re
+import sys
 import weakref
 from collections.abc import Callable
 from itertools import chain
@@ -772,6 +780,118 @@ def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
         _remembered = None
 
 
+# --- Python values the graph has built in ------------------------------------------
+# make_fx builds every Python value the traced code read (a module's temperature, a
+# config flag, a global) into the graph as a constant. The full check reads each one
+# at its path and compares its repr; what it read through is remembered, so that a
+# call on an unchanged model only confirms each link still holds the same object.
+_PATH_STEP = re.compile(r"\.(\w+)|\[(-?\d+|'[^'\\\]]*')\]")
+_ABSENT = object()
+_UNCHECKED = object()
+# Outside the module arguments' trees, which the fast path watches already: (dict,
+# key, object) for each link that led to a value through a plain dict; the paths
+# whose links are not all such dicts, read again; and each non-module argument a path
+# starts from, held weakly where it can be.
+_python_links: list[tuple[dict[Any, object], object, object]] = []
+_python_rereads: list[tuple[str, object]] = []
+_python_roots: list[tuple[int, Callable[[], object]]] = []
+
+
+def _python_value(
+    args: tuple[object, ...],
+    path: str,
+    links: list[tuple[Any, object, object] | None] | None,
+) -> object:
+    """The value at ``path`` (PYTHON_VALUES' syntax) in this call, _ABSENT where
+    nothing is there, or _UNCHECKED for a path no call can check (the traced function's
+    closure, a module this process has not imported). Each link read through a
+    plain dict is added to ``links`` (a None entry for any other kind of link)."""
+    head, _, accessors = path.partition(": ")
+    if head.startswith("argument "):
+        value: object = args[int(head.removeprefix("argument "))]
+    elif head.startswith("global "):
+        name, _, module = (
+            head.removeprefix("global ").removesuffix(")").partition(" (module ")
+        )
+        namespace = sys.modules.get(module)
+        if namespace is None or name not in vars(namespace):
+            return _UNCHECKED
+        value = vars(namespace)[name]
+        if links is not None:
+            links.append((vars(namespace), name, value))
+    else:
+        return _UNCHECKED
+    # The fast path already watches the module arguments' trees (every module's member
+    # dicts): a link out of one of their modules needs no watching of its own.
+    in_model = isinstance(value, torch.nn.Module)
+    for attribute, key in _PATH_STEP.findall(accessors):
+        watched = in_model and isinstance(value, torch.nn.Module)
+        holder: Any = getattr(value, "__dict__", None) if attribute else value
+        member: object = attribute or (int(key) if key[0] != "'" else key[1:-1])
+        try:
+            value = getattr(value, attribute) if attribute else cast(Any, value)[member]
+        except (AttributeError, LookupError, TypeError):
+            return _ABSENT
+        if links is not None and not watched:
+            plain = type(holder) is dict and holder.get(member, _ABSENT) is value
+            links.append((holder, member, value) if plain else None)
+    return value
+
+
+def _check_python_values(args: tuple[object, ...]) -> None:
+    links: list[tuple[Any, object, object] | None] = []
+    rereads: list[tuple[str, object]] = []
+    roots: set[int] = set()
+    for path, traced in PYTHON_VALUES:
+        path_links: list[tuple[Any, object, object] | None] = []
+        value = _python_value(args, path, path_links)
+        if value is _UNCHECKED:
+            continue
+        if value is _ABSENT or repr(value) != traced:
+            _fail(_describe_python_value(path, value, traced))
+        if None in path_links:
+            rereads.append((path, value))
+        links += path_links
+        if path.startswith("argument "):
+            position = int(path.removeprefix("argument ").partition(":")[0])
+            if not isinstance(args[position], torch.nn.Module):
+                roots.add(position)
+    _python_links[:] = [link for link in links if link is not None]
+    _python_rereads[:] = rereads
+    _python_roots[:] = [(position, _held(args[position])) for position in roots]
+
+
+def _held(value: object) -> Callable[[], object]:
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
+
+
+def _python_values_hold(args: tuple[object, ...]) -> bool:
+    """Whether what the last full check read the Python values through still holds
+    the same objects."""
+    for position, root in _python_roots:
+        if args[position] is not root():
+            return False
+    for holder, key, value in _python_links:
+        if holder.get(key, _ABSENT) is not value:
+            return False
+    for path, value in _python_rereads:
+        if _python_value(args, path, None) is not value:
+            return False
+    return True
+
+
+def _describe_python_value(path: str, value: object, traced: str) -> str:
+    now = "missing" if value is _ABSENT else reprlib.repr(value)
+    return (
+        f"the Python value at {path} is {now} in this call, but it was {traced} when "
+        "the function was traced, and the graph has that value built in. Set it "
+        f"back to {traced}, or capture again with this value."
+    )
+
+
 def _run_grad_hooks(
     hooks: dict[int, Callable[..., Any]], grad: torch.Tensor
 ) -> torch.Tensor:
@@ -831,9 +951,12 @@ def forward(*args: object, **keywords: object) -> object:
         _reject_keywords(keywords)
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
+    if state is not None and not _python_values_hold(args):
+        state = None
     if state is None:
         tensors, names, _ = module_state(modules)
         _check_module_state(modules, tensors, names)
+        _check_python_values(args)
         state = _remember(modules, tensors)
     _check_aliasing(args, state, leaves)
     # The graph already contains the backward ops it needs; recording autograd
