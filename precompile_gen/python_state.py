@@ -24,6 +24,7 @@ import logging
 import random
 import re
 import sys
+import sysconfig
 import types
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -40,11 +41,21 @@ log = logging.getLogger(__name__)
 # its flags and registries on every call, and the other checks cover what matters
 # of them (modes, hooks, grad mode).
 _LIBRARY_MODULES = ("torch", "precompile_gen")
-# Where a frame is not the user's: the line named in a message is the innermost
-# frame outside these.
+# Where a frame is not the user's: torch, this package, and what is installed
+# (transformers, timm, the standard library). A message names the innermost frame
+# outside these; and what they write is theirs (libraries keep caches and context
+# state of their own, set and reset within a call), not refused.
 _LIBRARY_FILES = tuple(
     str(module.__file__).rsplit("/", 1)[0] + "/"
     for module in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
+) + tuple(
+    sorted(
+        {
+            path.rstrip("/") + "/"
+            for key in ("stdlib", "platstdlib", "purelib", "platlib")
+            if (path := sysconfig.get_paths().get(key))
+        }
+    )
 )
 
 
@@ -454,7 +465,11 @@ def _global_path(
 
 
 def _global_path_in(module: str, name: str, steps: list[str]) -> str | None:
-    if module.split(".")[0] in _LIBRARY_MODULES:
+    # An installed library's module globals are its own configuration (feature
+    # flags, enums, constants), as torch's are.
+    if module.split(".")[0] in _LIBRARY_MODULES or _library(
+        str(getattr(sys.modules.get(module), "__file__", None) or "")
+    ):
         return None
     accessors = "".join(reversed(steps))
     return f"global {name} (module {module}){': ' + accessors if accessors else ''}"

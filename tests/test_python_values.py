@@ -374,3 +374,25 @@ def test_each_capture_of_one_function_records_its_values() -> None:
         cap = pg.capture(step, model, example(), backend="eager")
         assert ("argument 0: .1.p", "0.0") in cap.python_values
         assert (f"global SCALE (module {__name__})", "1.0") in cap.python_values
+
+
+def test_a_transformers_model_records_what_its_forward_reads() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    model = GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, use_cache=False).logits
+
+    code, cache = pg.precompile(logits, model, ids, backend="eager")
+    values = dict(cast(list[tuple[str, str]], pg.parse_metadata(code)["PYTHON_VALUES"]))
+    assert values["argument 0: .transformer.ln_f.eps"] == "1e-05"
+    # The library's own module globals are its configuration, not the program's.
+    assert not any(path.startswith("global ") for path in values)
+    loaded = pg.load(code, cache)
+    torch.testing.assert_close(loaded(model, ids), logits(model, ids))
+    model.transformer.ln_f.eps = 1e-3
+    with pytest.raises(pg.PrecompileError, match=r"\.transformer\.ln_f\.eps is 0\.001"):
+        loaded(model, ids)
