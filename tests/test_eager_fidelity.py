@@ -9,6 +9,7 @@ example; inductor artifacts are built once per module (module-scoped fixtures).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import precompile_gen as pg
 
 BACKENDS = ["eager", "inductor"]
 # float64 steps agree with eager to its own rounding, not float32's.
-FLOAT64 = {"rtol": 1e-12, "atol": 1e-12}
+FLOAT64_TOLERANCE = 1e-12
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -53,33 +54,35 @@ def run_side_by_side(
     *,
     steps: int = 2,
     seeds: tuple[int, ...] = (),
-    **tolerance: float,
+    tolerance: float | None = None,
 ) -> None:
     """``steps`` calls of the artifact and of eager ``fn`` on twin copies of the
     example model (with ``make_args(model)`` building the rest of a call, an
     optimizer say), each under the same seed; results, parameters, buffers and
-    ``.grad`` fields must agree after every call."""
+    ``.grad`` fields must agree after every call, to ``tolerance`` (relative and
+    absolute) where given, else to assert_close's for the dtype."""
     model = copy.deepcopy(captured.example[0])
     assert isinstance(model, nn.Module)
     twin = copy.deepcopy(model)
     args, twin_args = make_args(model), make_args(twin)
+    close = functools.partial(
+        torch.testing.assert_close, rtol=tolerance, atol=tolerance
+    )
     for step in range(steps):
         seed = seeds[step] if seeds else step
         torch.manual_seed(seed)
         expected = fn(twin, *twin_args)
         torch.manual_seed(seed)
         got = captured.artifact(model, *args)
-        torch.testing.assert_close(got, expected, **tolerance)
+        close(got, expected)
         assert_same_state(model, twin)
         for (name, param), twin_param in zip(
             model.named_parameters(), twin.parameters(), strict=True
         ):
-            torch.testing.assert_close(param, twin_param, msg=name, **tolerance)
+            close(param, twin_param, msg=name)
             if twin_param.grad is not None:
                 assert param.grad is not None, name
-                torch.testing.assert_close(
-                    param.grad, twin_param.grad, msg=f"{name}.grad", **tolerance
-                )
+                close(param.grad, twin_param.grad, msg=f"{name}.grad")
 
 
 # --- 1. One submodule in two places --------------------------------------------------
@@ -219,7 +222,7 @@ def test_a_float64_step_equals_eager_to_float64_rounding(
     # One float32 rounding anywhere in the step (an lr or a bias correction held in
     # float32) shows as ~1e-8 here.
     captured, fn, make_args = float64_case
-    run_side_by_side(captured, fn, make_args, steps=3, **FLOAT64)
+    run_side_by_side(captured, fn, make_args, steps=3, tolerance=FLOAT64_TOLERANCE)
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=str)
@@ -371,10 +374,11 @@ def test_random_ops_draw_eagers_numbers_in_eagers_layout(
 ) -> None:
     model, a, b = random_artifact.example
     assert isinstance(model, nn.Module)
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     for seed in (5, 6):
         with torch.no_grad():
             torch.manual_seed(seed)
-            expected = random_draws(model, a, b)  # type: ignore[arg-type]
+            expected = random_draws(model, a, b)
         torch.manual_seed(seed)
         got = random_artifact.artifact(model, a, b)
         assert isinstance(got, tuple)
