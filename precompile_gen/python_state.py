@@ -196,6 +196,7 @@ def _dynamo_pass(
             )
         )
         stack.enter_context(refusing_python_rng(fn))
+        stack.enter_context(_distribution_validation_kept())
         try:
             yield torch.compile(
                 entry, backend=run_eagerly, options={"guard_filter_fn": keep}
@@ -205,6 +206,17 @@ def _dynamo_pass(
             # each capture of the same function would add to their count.
             for code in compiled_codes:
                 torch._dynamo.eval_frame.reset_code(code)
+
+
+@contextlib.contextmanager
+def _distribution_validation_kept() -> Generator[None]:
+    # Dynamo's first compile in a process turns torch.distributions' argument
+    # validation off for everyone; the user's eager code keeps its own setting.
+    validate = torch.distributions.Distribution._validate_args
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(validate)
 
 
 @contextlib.contextmanager
@@ -277,7 +289,8 @@ def _effect_target(dynamo_name: str) -> str:
         return f"argument {position}: {rest}" if rest else f"argument {position}"
     match = _GLOBAL.fullmatch(text)
     if match is None:
-        return text
+        # A local of a frame compiled on its own: L['self'].seen -> self.seen
+        return re.sub(r"^L\['(\w+)'\]", r"\1", text)
     first, second, rest = match.groups()
     if not first.startswith("__import_"):
         return f"the global {first}"

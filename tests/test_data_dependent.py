@@ -422,17 +422,17 @@ def test_values_independent_of_the_inputs_are_read() -> None:
 
 
 def test_user_batch_norm_subclass_is_refused_where_it_reads() -> None:
-    class LoggingBatchNorm(nn.BatchNorm1d):
+    class GatedBatchNorm(nn.BatchNorm1d):
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            self.seen = float(self.weight.detach().abs().max())
-            return super().forward(input)
+            largest = float(self.weight.detach().abs().max())
+            return super().forward(input) * (largest > 0)
 
-    model = nn.Sequential(nn.Linear(4, 6), LoggingBatchNorm(6, momentum=None))
+    model = nn.Sequential(nn.Linear(4, 6), GatedBatchNorm(6, momentum=None))
     assert_refused(
         predict,
         model,
         randn(5, 4, seed=1),
-        match=[line_of(LoggingBatchNorm.forward, "self.seen =")],
+        match=[line_of(GatedBatchNorm.forward, "largest =")],
     )
 
 

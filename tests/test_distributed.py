@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import precompile_gen as pg
+import precompile_gen.api as pg_api
 from precompile_gen.distributed import precompile_once
 
 # A hang shows up as the group's timeout (an error on the waiting rank) well before
@@ -34,8 +35,9 @@ GROUP_TIMEOUT_S = 60
 # group's timeout, so an error that arrived only by timing out fails the test.
 ERROR_ARRIVES_WITHIN_S = 20
 
-# How many times this process ran the traced step: capture runs it once, on the
-# source rank only.
+# How many captures this process made: precompile_once captures once, on the source
+# rank only. (Counted around the capture: a counter inside the traced step would be
+# a Python effect, which capture refuses.)
 _traces = 0
 
 # Read by step_reading_a_global: capture rejects it as a would-be constant.
@@ -59,9 +61,19 @@ def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def counted_train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    global _traces
-    _traces += 1
     return train_step(model, x)
+
+
+def _counting_captures() -> None:
+    traced = pg_api.trace
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        global _traces
+        if args and args[0] is counted_train_step:
+            _traces += 1
+        return traced(*args, **kwargs)
+
+    pg_api.trace = counting
 
 
 def step_reading_a_global(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -265,6 +277,7 @@ def _rank_main(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
+    _counting_captures()
     try:
         result = scenario(rank, *args)
     finally:
