@@ -396,3 +396,28 @@ def test_a_transformers_model_records_what_its_forward_reads() -> None:
     model.transformer.ln_f.eps = 1e-3
     with pytest.raises(pg.PrecompileError, match=r"\.transformer\.ln_f\.eps is 0\.001"):
         loaded(model, ids)
+
+
+class Activated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.activation = "relu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return F.relu(y) if self.activation == "relu" else F.gelu(y)
+
+
+def test_a_string_value_is_checked() -> None:
+    model, x = Activated(), example()
+    code, cache = pg.precompile(lambda m, x: m(x), model, x, backend="eager")
+    loaded = pg.load(code, cache)
+    torch.testing.assert_close(loaded(model, x), model(x))
+    model.activation = "gelu"
+    with pytest.raises(
+        pg.PrecompileError, match="is 'gelu' in this call, but it was 'relu'"
+    ):
+        loaded(model, x)
+    model.activation = "relu"
+    torch.testing.assert_close(loaded(model, x), model(x))
