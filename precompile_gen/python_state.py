@@ -26,6 +26,7 @@ import re
 import sys
 import sysconfig
 import types
+import warnings
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -63,6 +64,10 @@ _LIBRARY_FILES = tuple(
 class _Reads:
     """What the Dynamo pass saw, frame by frame."""
 
+    # The ids of the objects that existed before the call (the copies of the
+    # arguments, their submodules, and what the function's closure and globals
+    # hold): writing to one, or to anything reached through one, is an effect.
+    roots: set[int]
     values: dict[str, PythonValue] = field(default_factory=dict)
     # Paths of values kept by the artifact that no call can check (fn's own closure).
     unresolved: list[str] = field(default_factory=list)
@@ -76,13 +81,13 @@ def observe(
     a path from the call's arguments or a module's globals; a ``PrecompileError`` if
     it writes Python state that existed before the call."""
     try:
-        copies = copy.deepcopy(example_inputs)
+        copied_fn, copies = _copies(fn, example_inputs)
     except Exception as error:
         _warn_unrecorded(fn, f"its arguments cannot be deep-copied ({error})")
         return []
-    reads = _Reads()
+    reads = _Reads(roots=_roots(copied_fn, copies))
     try:
-        with _dynamo_pass(reads, fn, copies) as compiled:
+        with _dynamo_pass(reads, fn, copied_fn, copies) as compiled:
             compiled(*copies)
     except Exception as error:
         refusal = _precompile_error_in(error)
@@ -104,6 +109,56 @@ def observe(
             ", ".join(reads.unresolved),
         )
     return sorted(reads.values.values())
+
+
+def _copies(
+    fn: Callable[..., object], example_inputs: tuple[object, ...]
+) -> tuple[Callable[..., object], tuple[object, ...]]:
+    """Copies of the arguments, and ``fn`` over copies of the objects its closure
+    and its globals hold (an optimizer, a loss module, a list), all made together so
+    that they share what the originals share: the extra run must change nothing of
+    the caller's, and may run ``fn`` in full."""
+    memo: dict[int, object] = {}
+    copies = copy.deepcopy(example_inputs, memo)
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        return fn, copies
+    cells = tuple(
+        types.CellType(_copy_or_share(cell.cell_contents, memo))
+        for cell in fn.__closure__ or ()
+    )
+    namespace = dict(fn.__globals__)
+    for name in code.co_names:
+        if name in namespace and isinstance(namespace[name], _STATEFUL):
+            namespace[name] = _copy_or_share(namespace[name], memo)
+    copied = types.FunctionType(code, namespace, fn.__name__, fn.__defaults__, cells)
+    copied.__kwdefaults__ = fn.__kwdefaults__
+    return copied, copies
+
+
+# Globals worth copying: what a function may change in place.
+_STATEFUL = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, list, dict, set)
+
+
+def _copy_or_share(value: object, memo: dict[int, object]) -> object:
+    # What cannot be copied (a logger, a file) is shared: the run may use it, as
+    # the trace after it does.
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:
+        return value
+
+
+def _roots(fn: Callable[..., object], copies: tuple[object, ...]) -> set[int]:
+    roots = {id(fn), *map(id, copies)}
+    for value in [
+        *copies,
+        *(c.cell_contents for c in getattr(fn, "__closure__", None) or ()),
+    ]:
+        roots.add(id(value))
+        if isinstance(value, torch.nn.Module):
+            roots.update(map(id, value.modules()))
+    return roots
 
 
 def _precompile_error_in(error: BaseException) -> PrecompileError | None:
@@ -132,7 +187,10 @@ def _warn_unrecorded(fn: object, why: str) -> None:
 
 @contextlib.contextmanager
 def _dynamo_pass(
-    reads: _Reads, fn: Callable[..., object], copies: tuple[object, ...]
+    reads: _Reads,
+    fn: Callable[..., object],
+    copied_fn: Callable[..., object],
+    copies: tuple[object, ...],
 ) -> Generator[Callable[..., object]]:
     import torch._dynamo
     from torch._dynamo import guards, side_effects
@@ -150,7 +208,7 @@ def _dynamo_pass(
     def keep(entries: Sequence[Any]) -> list[bool]:
         if reads.effects:
             _refuse_effects(fn, reads.effects)
-        _record(reads, entries, frame["globals"], fn, copies)
+        _record(reads, entries, frame["globals"], copied_fn, copies)
         return [True] * len(entries)
 
     store_attr = side_effects.SideEffects.store_attr
@@ -172,7 +230,7 @@ def _dynamo_pass(
 
     # A fresh code object for the entry, for the same reason.
     def entry(*args: object) -> object:
-        return fn(*args)
+        return copied_fn(*args)
 
     entry.__code__ = entry.__code__.replace()
     patches = [
@@ -197,6 +255,7 @@ def _dynamo_pass(
         )
         stack.enter_context(refusing_python_rng(fn))
         stack.enter_context(_distribution_validation_kept())
+        stack.enter_context(_dynamo_quiet())
         try:
             yield torch.compile(
                 entry, backend=run_eagerly, options={"guard_filter_fn": keep}
@@ -206,6 +265,21 @@ def _dynamo_pass(
             # each capture of the same function would add to their count.
             for code in compiled_codes:
                 torch._dynamo.eval_frame.reset_code(code)
+
+
+@contextlib.contextmanager
+def _dynamo_quiet() -> Generator[None]:
+    # What Dynamo says of the code it runs (graph breaks, builtins it cannot trace)
+    # is about this pass, not the user's program: the trace after it speaks for that.
+    dynamo_log = logging.getLogger("torch._dynamo")
+    level = dynamo_log.level
+    dynamo_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        dynamo_log.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -241,6 +315,10 @@ def _note_effect(reads: _Reads, item: Any, name: str | None) -> None:
     # attributes (.grad) are the gradient machinery's, which the artifact repeats.
     if not isinstance(item.mutation_type, existing) or isinstance(item, TensorVariable):
         return
+    # "Existing" is per frame: an object fn created before a graph break is an
+    # input of the frame compiled after it, and writing to it is fn's own business.
+    if item.source is not None and not _existed_before_the_call(item.source, reads):
+        return
     line = _writing_line()
     if line is None:
         return
@@ -249,6 +327,27 @@ def _note_effect(reads: _Reads, item: Any, name: str | None) -> None:
     else:
         target = _effect_target(item.source.name + (f".{name}" if name else ""))
     reads.effects.append((target, line))
+
+
+def _existed_before_the_call(source: Any, reads: _Reads) -> bool:
+    """Whether the object at ``source`` is, or is reached through, one that existed
+    before the call: a module global, or one of ``reads.roots``."""
+    from torch._dynamo.source import GlobalSource
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    scope = {"L": tx.f_locals, "G": tx.f_globals}
+    while source is not None:
+        if isinstance(source, GlobalSource):
+            return True
+        try:
+            value = eval(source.name, dict(scope))
+        except Exception:  # a name Dynamo writes with helpers of its own
+            return True
+        if id(value) in reads.roots:
+            return True
+        source = getattr(source, "base", None)
+    return False
 
 
 def _writing_line() -> str | None:
@@ -277,16 +376,24 @@ def _library(filename: str) -> bool:
 
 _MEMBER_ITEM = re.compile(r"\._(?:modules|parameters|buffers)\['(\w+)'\]")
 _GLOBAL = re.compile(r"G\['(\w+)'\]\.?(\w*)(.*)")
+# The copied globals of the traced function, a dict Dynamo installs under a name of
+# its own.
+_COPIED_GLOBAL = re.compile(r"G\['___unnamed_scope_\w+'\]\['(\w+)'\](.*)")
 
 
 def _effect_target(dynamo_name: str) -> str:
     """A written object in the words of PYTHON_VALUES' paths. Dynamo names what the
     pass's entry received ``L['args'][N]``, another module's globals
-    ``G['__import_<module, its dots spelt _dot_>']``."""
+    ``G['__import_<module, its dots spelt _dot_>']``, the traced function's copied
+    ones ``G['___unnamed_scope_<id>']``."""
     text = _MEMBER_ITEM.sub(r".\1", dynamo_name)
     if text.startswith("L['args']["):
         position, _, rest = text.removeprefix("L['args'][").partition("]")
         return f"argument {position}: {rest}" if rest else f"argument {position}"
+    copied = _COPIED_GLOBAL.fullmatch(text)
+    if copied is not None:
+        name, rest = copied.groups()
+        return f"global {name}{': ' + rest if rest else ''}"
     match = _GLOBAL.fullmatch(text)
     if match is None:
         # A local of a frame compiled on its own: L['self'].seen -> self.seen
@@ -473,6 +580,12 @@ def _global_path(
         if not steps:
             return None
         module, first = value.__name__, steps.pop()[1:]
+        return _global_path_in(module, first, steps)
+    if isinstance(value, dict) and "__name__" in value and steps:
+        # And a globals dict that is no module's (the extra run's function holds
+        # copies of the globals it may change) through another:
+        # G['___unnamed_scope_..']['SCALE'] is SCALE of that dict's module.
+        module, first = str(value["__name__"]), steps.pop()[2:-2]
         return _global_path_in(module, first, steps)
     return _global_path_in(str(frame_globals.get("__name__")), name, steps)
 

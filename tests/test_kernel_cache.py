@@ -131,7 +131,7 @@ print(json.dumps({{
 @dataclass
 class FreshLoad:
     binaries: dict[str, bytes]  # the inductor cache folder's afterwards, by name
-    compiled: list[str]  # the kernel sources written there to compile
+    compiled: list[str]  # the C++ sources written there to compile
     imported: list[str]  # Inductor and Dynamo, if the process imported them
     torch_dir: str
 
@@ -171,7 +171,10 @@ def test_fresh_process_without_the_payload_compiles(pair: Pair, tmp_path: Path) 
     # compiled.
     loaded = _fresh_load(tmp_path, pair.code, _with_payload(pair, None))
     assert loaded.imported == ["torch._dynamo", "torch._inductor"]
-    assert len(loaded.compiled) == len(pair.code.split("= async_compile.cpp_pybinding"))
+    # Each kernel is compiled from its own ``.main.cpp``; the other sources there are
+    # Inductor's probes of the CPU's instruction sets, as many as the CPU has.
+    kernels = [name for name in loaded.compiled if name.endswith(".main.cpp")]
+    assert len(kernels) == pair.code.count("= async_compile.cpp_pybinding")
     assert loaded.binaries
 
 
