@@ -444,7 +444,8 @@ def _group_size(group_name: object) -> int:
 class _LocalCollectives(TorchDispatchMode):
     """Functional collectives computed on this rank alone: a result of the right
     shape and dtype (the group's own values only exist at run time), so that
-    tracing never waits for another rank."""
+    tracing never waits for another rank. Under make_fx the collective is recorded
+    in the graph as called; only its execution is local."""
 
     def __torch_dispatch__(
         self,
@@ -463,22 +464,51 @@ class _LocalCollectives(TorchDispatchMode):
                 "as functional collectives), or torch.distributed."
                 "_functional_collectives directly."
             )
-        if namespace != "_c10d_functional":
-            return func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
-        if name == "wait_tensor":
-            return args[0]
+        if namespace != "_c10d_functional" or name == "wait_tensor":
+            # Waiting on a collective that never ran returns at once.
+            return func(*args, **kwargs)
+        return _recorded(func, args, kwargs, _local_result(func, name, args))
+
+
+def _local_result(func: Any, name: str, args: tuple[Any, ...]) -> torch.Tensor:
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing():
         tensor = args[0]
-        if name == "all_reduce":
-            return tensor.clone()
-        if name == "broadcast":
+        if name in ("all_reduce", "broadcast"):
             return tensor.clone()
         if name == "all_gather_into_tensor":
             return torch.cat([tensor] * _group_size(args[-1]))
         if name == "reduce_scatter_tensor":
             return tensor.chunk(_group_size(args[-1]))[0].clone()
-        raise PrecompileError(
-            f"the function calls the functional collective {func}, which the capture "
-            "does not support (all_reduce, broadcast, all_gather_into_tensor and "
-            "reduce_scatter_tensor are). Call it outside the function."
-        )
+    raise PrecompileError(
+        f"the function calls the functional collective {func}, which the capture "
+        "does not support (all_reduce, broadcast, all_gather_into_tensor and "
+        "reduce_scatter_tensor are). Call it outside the function."
+    )
+
+
+def _recorded(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: torch.Tensor
+) -> torch.Tensor:
+    """``result``, recorded in the graph being traced (if any) as ``func``'s output."""
+    import torch.utils._pytree as pytree
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return result
+    tracer = mode.tracer
+
+    def proxy_of(tensor: torch.Tensor) -> Any:
+        return proxy_tensor.get_proxy_slot(tensor, tracer).proxy
+
+    proxy = tracer.create_proxy(
+        "call_function",
+        func,
+        pytree.tree_map_only(torch.Tensor, proxy_of, args),
+        pytree.tree_map_only(torch.Tensor, proxy_of, kwargs),
+    )
+    proxy_tensor.track_tensor_tree(result, proxy, constant=None, tracer=tracer)
+    return result
