@@ -381,15 +381,17 @@ def _reduce_scatter_tensor(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> None:
-    from torch.distributed import _functional_collectives as funcol
-
     _synchronous("reduce_scatter_tensor", async_op)
     resolved = _group(group)
+    functional = torch.ops._c10d_functional
     flat = input.reshape(resolved.size() * output.numel())
-    reduced = funcol.reduce_scatter_tensor(
-        flat, _reduce_op(op, "reduce_scatter_tensor"), 0, resolved
+    reduced = functional.reduce_scatter_tensor(
+        flat,
+        _reduce_op(op, "reduce_scatter_tensor"),
+        resolved.size(),
+        resolved.group_name,
     )
-    output.copy_(reduced.reshape(output.shape))
+    output.copy_(functional.wait_tensor(reduced).reshape(output.shape))
 
 
 _FUNCTIONAL: dict[str, Callable[..., None]] = {

@@ -144,3 +144,182 @@ def test_ddp_step_with_inductor_matches_ddp_eager(
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     results = run_ranks(2, tmp_path, ddp_training_matches_eager, "inductor")
     _assert_ranks_differ_in_loss_but_agree_on_parameters(results)
+
+
+# Refused DDP options, at capture and at call.
+
+
+def _with_buffer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+def _with_frozen_layer() -> nn.Module:
+    model = _model()
+    model[0].requires_grad_(False)
+    return model
+
+
+class TwoHeads(nn.Module):
+    """A model whose second head the step leaves unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        self.unused_head = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def step_inside_no_sync(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+    with model.no_sync():
+        loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def _refused(call: Callable[[], object], *snapshotted: object) -> str:
+    """The PrecompileError ``call`` raised; that it left everything as it was."""
+    snapshot = StateSnapshot(*snapshotted)
+    with pytest.raises(pg.PrecompileError) as error:
+        call()
+    snapshot.assert_unchanged()
+    return str(error.value)
+
+
+def _refused_captures(rank: int) -> dict[str, str]:
+    x, y = _batch(rank, 0)
+
+    def capture(model: nn.Module, fn: Callable[..., object] = backward_step) -> str:
+        return _refused(lambda: pg.precompile(fn, model, x, y, backend="eager"), model)
+
+    hooked = DDP(_model())
+    hooked.register_comm_hook(None, allreduce_hook)
+    compressed = DDP(_model())
+    compressed._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    unsynced = DDP(_model())
+    with unsynced.no_sync():
+        no_sync = capture(unsynced)
+    return {
+        "comm hook": capture(hooked),
+        "builtin comm hook": capture(compressed),
+        "no_sync": no_sync,
+        "static_graph": capture(DDP(_model(), static_graph=True)),
+        "frozen": capture(DDP(_with_frozen_layer())),
+        "buffers": capture(DDP(_with_buffer())),
+        "unused": capture(DDP(TwoHeads(), find_unused_parameters=True)),
+        "no_sync in fn": capture(DDP(_model()), step_inside_no_sync),
+    }
+
+
+def _refused_calls(rank: int) -> tuple[dict[str, str], str, str]:
+    model = DDP(_model())
+    x, y = _batch(rank, 0)
+    code, cache = pg.precompile(backward_step, model, x, y, backend="eager")
+    forward = pg.load(code, cache)
+
+    def call(module: nn.Module) -> str:
+        return _refused(lambda: forward(module, x, y), module, x, y)
+
+    with model.no_sync():
+        no_sync = call(model)
+    other_group = DDP(_model(), process_group=dist.new_group([0, 1]))
+    refused = {
+        "no_sync": no_sync,
+        "plain module": call(model.module),
+        "other group": call(other_group),
+    }
+    model.register_comm_hook(None, allreduce_hook)
+    refused["comm hook"] = call(model)
+    return refused, code, base64.b64encode(cache).decode()
+
+
+def ddp_options_refused(rank: int) -> dict[str, Any]:
+    calls, code, cache = _refused_calls(rank)
+    return {"capture": _refused_captures(rank), "call": calls, "pair": [code, cache]}
+
+
+_CAPTURE_REFUSALS = {
+    "comm hook": ["communication hook", "without the hook"],
+    "builtin comm hook": ["hook registered (BuiltinCommHookType.FP16_COMPRESS)"],
+    "no_sync": ["inside a no_sync() context", "outside no_sync()"],
+    "static_graph": ["static_graph=True", "static_graph=False"],
+    "frozen": ["do not require grad (module.0.weight", "requires_grad=True"],
+    "buffers": ["broadcast_buffers=True", "broadcast_buffers=False"],
+    "unused": ["got no gradient", "unused_head.weight", "Use every parameter"],
+    "no_sync in fn": ["inside no_sync()", "call backward once"],
+}
+_CALL_REFUSALS = {
+    "no_sync": ["inside a no_sync() context", "outside no_sync()"],
+    "plain module": ["argument 0 was a DistributedDataParallel", "Pass the DDP-wrapped"],
+    "other group": ["over process group '1'", "group '0'", "Wrap the model with"],
+    "comm hook": ["communication hook", "Remove the hook"],
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    results = run_ranks(2, tmp_path_factory.mktemp("ranks"), ddp_options_refused)
+    assert results[0] is not None and results[1] is not None
+    return [results[0], results[1]]
+
+
+@pytest.mark.parametrize("case", sorted(_CAPTURE_REFUSALS))
+def test_unsupported_ddp_options_are_refused_at_capture(
+    refusals: list[dict[str, Any]], case: str
+) -> None:
+    for result in refusals:
+        message = result["capture"][case]
+        for words in _CAPTURE_REFUSALS[case]:
+            assert words in message, message
+
+
+@pytest.mark.parametrize("case", sorted(_CALL_REFUSALS))
+def test_ddp_calls_the_graph_was_not_built_for_are_refused(
+    refusals: list[dict[str, Any]], case: str
+) -> None:
+    for result in refusals:
+        message = result["call"][case]
+        for words in _CALL_REFUSALS[case]:
+            assert words in message, message
+
+
+@pytest.fixture
+def single_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_call_without_the_captured_group_is_refused(
+    refusals: list[dict[str, Any]],
+) -> None:
+    code, cache = refusals[1]["pair"]
+    forward = pg.load(code, base64.b64decode(cache))
+    model, (x, y) = _model(), _batch(0, 0)
+    with pytest.raises(pg.PrecompileError, match="init_process_group"):
+        forward(model, x, y)
+
+
+def test_a_call_on_another_world_size_is_refused(
+    refusals: list[dict[str, Any]], single_rank_group: None
+) -> None:
+    code, cache = refusals[1]["pair"]
+    forward = pg.load(code, base64.b64decode(cache))
+    model, (x, y) = DDP(_model()), _batch(0, 0)
+    snapshot = StateSnapshot(model, x, y)
+    with pytest.raises(pg.PrecompileError) as error:
+        forward(model, x, y)
+    snapshot.assert_unchanged()
+    message = str(error.value)
+    assert "process group '0' (gloo, global ranks [0, 1])" in message
+    assert "global ranks [0]" in message
+    assert "Precompile again on this group" in message
+    metadata = pg.parse_metadata(code)
+    assert metadata["PROCESS_GROUPS"] == [
+        {"name": "0", "backend": "gloo", "ranks": [0, 1]}
+    ]
+    assert metadata["PARAM_NAMES"][0] == "module.0.weight"
