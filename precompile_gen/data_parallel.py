@@ -52,11 +52,11 @@ def check_module(module: torch.nn.Module, position: int) -> None:
     """Refuse, before anything runs, a DDP configuration the capture cannot keep."""
     ddp = _ddp(module)
     where = f"the DistributedDataParallel module at argument {position}"
-    comm_hook = ddp._get_ddp_logging_data().get("comm_hook")
-    if ddp._comm_hooks or comm_hook:
+    comm_hook = ddp._get_ddp_logging_data().get("comm_hook") or "register_comm_hook"
+    if ddp._comm_hooks or comm_hook != "register_comm_hook":
         _refuse(
             where,
-            f"has a communication hook registered ({comm_hook or 'register_comm_hook'})",
+            f"has a communication hook registered ({comm_hook})",
             "the artifact all-reduces the gradients itself and cannot run the hook",
             "construct the DDP module without the hook",
         )
@@ -113,7 +113,9 @@ def check_module(module: torch.nn.Module, position: int) -> None:
 
 
 def _refuse(where: str, what: str, why: str, fix: str) -> None:
-    raise PrecompileError(f"{where} {what}, which the capture cannot keep: {why}. Fix: {fix}.")
+    raise PrecompileError(
+        f"{where} {what}, which the capture cannot keep: {why}. Fix: {fix}."
+    )
 
 
 def group_record(group: dist.ProcessGroup) -> dict[str, object]:
@@ -121,7 +123,7 @@ def group_record(group: dist.ProcessGroup) -> dict[str, object]:
     refer to it by), backend and global ranks."""
     return {
         "name": str(group.group_name),
-        "backend": str(dist.get_backend(group)),
+        "backend": dist.get_backend(group),
         "ranks": list(dist.get_process_group_ranks(group)),
     }
 
@@ -154,7 +156,7 @@ def graph_groups(gm: torch.fx.GraphModule) -> list[str]:
 def process_groups(
     gm: torch.fx.GraphModule, modules: list[torch.nn.Module]
 ) -> list[dict[str, object]]:
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
     names = graph_groups(gm)
     for module in modules:
@@ -162,7 +164,7 @@ def process_groups(
             name = str(_ddp(module).process_group.group_name)
             if name not in names:
                 names.append(name)
-    return [group_record(_resolve_process_group(name)) for name in names]
+    return [group_record(_resolve_process_group(GroupName(name))) for name in names]
 
 
 # Observing: a stand-in that Dynamo can run on deep copies.
@@ -182,7 +184,7 @@ class _Unwrapped(torch.nn.Module):
 
 def observable(example_inputs: tuple[object, ...]) -> tuple[object, ...]:
     return tuple(
-        _Unwrapped(cast(torch.nn.Module, a).module) if is_data_parallel(a) else a
+        _Unwrapped(cast(Any, a).module) if is_data_parallel(a) else a
         for a in example_inputs
     )
 
@@ -241,7 +243,9 @@ def _reduced_gradients(
         indices = sorted(ready)
         ready.clear()
         # DDP fills its buckets in reverse parameter order (backward's order).
-        for bucket in _buckets([params[i] for i in reversed(indices)], ddp.bucket_bytes_cap):
+        for bucket in _buckets(
+            [params[i] for i in reversed(indices)], ddp.bucket_bytes_cap
+        ):
             _all_reduce_mean(bucket, group)
 
     def hook(index: int) -> Callable[[torch.Tensor], None]:
@@ -274,7 +278,9 @@ def _reduced_gradients(
         )
 
 
-def _buckets(params: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+def _buckets(
+    params: list[torch.Tensor], cap_bytes: int
+) -> Iterator[list[torch.Tensor]]:
     bucket: list[torch.Tensor] = []
     size = 0
     for param in params:
@@ -357,7 +363,11 @@ def _broadcast(
 
     _synchronous("broadcast", async_op)
     resolved = _group(group)
-    root = group_src if group_src is not None else dist.get_group_rank(resolved, cast(int, src))
+    root = (
+        group_src
+        if group_src is not None
+        else dist.get_group_rank(resolved, cast(int, src))
+    )
     tensor.copy_(funcol.broadcast(tensor, root, resolved))
 
 
@@ -399,7 +409,34 @@ _FUNCTIONAL: dict[str, Callable[..., None]] = {
     "broadcast": _broadcast,
     "all_gather_into_tensor": _all_gather_into_tensor,
     "reduce_scatter_tensor": _reduce_scatter_tensor,
+    # The names torch now prefers for the two above.
+    "all_gather_single": _all_gather_into_tensor,
+    "reduce_scatter_single": _reduce_scatter_tensor,
 }
+
+
+@contextlib.contextmanager
+def in_place_as_functional() -> Generator[None]:
+    """The in-place collectives as functional ones, the result copied back."""
+    if not dist.is_available() or not dist.is_initialized():
+        yield
+        return
+    from torch.distributed import distributed_c10d
+
+    owners = (dist, distributed_c10d)
+    originals = [
+        (owner, name, getattr(owner, name))
+        for owner in owners
+        for name in _FUNCTIONAL
+        if hasattr(owner, name)
+    ]
+    for owner, name, _ in originals:
+        setattr(owner, name, _FUNCTIONAL[name])
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
@@ -409,18 +446,8 @@ def functional_collectives() -> Generator[None]:
     if not dist.is_available() or not dist.is_initialized():
         yield
         return
-    from torch.distributed import distributed_c10d
-
-    owners = (dist, distributed_c10d)
-    originals = [(owner, name, getattr(owner, name)) for owner in owners for name in _FUNCTIONAL]
-    for owner, name, _ in originals:
-        setattr(owner, name, _FUNCTIONAL[name])
-    try:
-        with _LocalCollectives():
-            yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+    with in_place_as_functional(), _LocalCollectives():
+        yield
 
 
 def locally(run: Callable[..., object]) -> Callable[..., object]:
@@ -438,9 +465,9 @@ def locally(run: Callable[..., object]) -> Callable[..., object]:
 
 
 def _group_size(group_name: object) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    return _resolve_process_group(str(group_name)).size()
+    return _resolve_process_group(GroupName(str(group_name))).size()
 
 
 class _LocalCollectives(TorchDispatchMode):

@@ -192,9 +192,10 @@ def trace(
         if data_parallel.is_data_parallel(module):
             data_parallel.check_module(module, position)
     # First, on copies: refuses Python effects before the trace would make them.
-    python_values = python_state.observe(
-        fn, data_parallel.observable(example_inputs)
-    )
+    with data_parallel.in_place_as_functional():
+        python_values = python_state.observe(
+            fn, data_parallel.observable(example_inputs)
+        )
     optimizer_positions = [
         i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
     ]

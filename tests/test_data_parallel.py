@@ -7,10 +7,9 @@ there; every rank trains on its own batch, as in data-parallel training.
 from __future__ import annotations
 
 import base64
-import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -35,7 +34,9 @@ def _model() -> nn.Module:
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(6, 4, generator=generator), torch.randn(6, 2, generator=generator)
+    return torch.randn(6, 4, generator=generator), torch.randn(
+        6, 2, generator=generator
+    )
 
 
 def train_step(
@@ -85,7 +86,9 @@ def _train_like_ddp(
     if once:
         forward = precompile_once(train_step, model, optimizer, x, y, backend=backend)
     else:
-        forward = pg.load(*pg.precompile(train_step, model, optimizer, x, y, backend=backend))
+        forward = pg.load(
+            *pg.precompile(train_step, model, optimizer, x, y, backend=backend)
+        )
     seen: dict[str, torch.Tensor] = {}
     for step in range(STEPS):
         x, y = _batch(rank, step)
@@ -156,7 +159,7 @@ def _with_buffer() -> nn.Module:
 
 def _with_frozen_layer() -> nn.Module:
     model = _model()
-    model[0].requires_grad_(False)
+    model.get_submodule("0").requires_grad_(False)
     return model
 
 
@@ -172,7 +175,7 @@ class TwoHeads(nn.Module):
         return self.body(x)
 
 
-def step_inside_no_sync(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+def step_inside_no_sync(model: DDP, x: torch.Tensor, y: torch.Tensor) -> Any:
     with model.no_sync():
         loss = F.mse_loss(model(x), y)
     loss.backward()
@@ -252,7 +255,10 @@ _CAPTURE_REFUSALS = {
 }
 _CALL_REFUSALS = {
     "no_sync": ["inside a no_sync() context", "outside no_sync()"],
-    "plain module": ["argument 0 was a DistributedDataParallel", "Pass the DDP-wrapped"],
+    "plain module": [
+        "argument 0 was a DistributedDataParallel",
+        "Pass the DDP-wrapped",
+    ],
     "other group": ["over process group '1'", "group '0'", "Wrap the model with"],
     "comm hook": ["communication hook", "Remove the hook"],
 }
@@ -322,4 +328,92 @@ def test_a_call_on_another_world_size_is_refused(
     assert metadata["PROCESS_GROUPS"] == [
         {"name": "0", "backend": "gloo", "ranks": [0, 1]}
     ]
-    assert metadata["PARAM_NAMES"][0] == "module.0.weight"
+    assert cast(list[str], metadata["PARAM_NAMES"])[0] == "module.0.weight"
+
+
+# In-place collectives inside the function.
+
+
+def synced(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    total = model(x)
+    dist.all_reduce(total)
+    biggest = x * 1
+    dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
+    smallest = x * 1
+    dist.all_reduce(smallest, dist.ReduceOp.MIN)
+    shared = x * 3
+    dist.broadcast(shared, src=1)
+    gathered = x.new_empty(2 * x.shape[0], x.shape[1])
+    dist.all_gather_single(gathered, x)
+    scattered = x.new_empty(x.shape[0] // 2, x.shape[1])
+    dist.reduce_scatter_single(scattered, x)
+    # The deprecated names of the two above, as older code calls them.
+    stacked = x.new_empty(2 * x.shape[0], x.shape[1])
+    dist.all_gather_into_tensor(stacked, x)  # pyrefly: ignore[deprecated]
+    halves = x.new_empty(x.shape[0] // 2, x.shape[1])
+    dist.reduce_scatter_tensor(halves, x * 2)  # pyrefly: ignore[deprecated]
+    return total, biggest, smallest, shared, gathered, scattered, stacked, halves
+
+
+def async_all_reduce(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = model(x)
+    dist.all_reduce(y, async_op=True)
+    return y
+
+
+def product_all_reduce(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = model(x)
+    dist.all_reduce(y, op=dist.ReduceOp.PRODUCT)
+    return y
+
+
+def in_place_collectives(rank: int) -> dict[str, Any]:
+    model, (x, _) = _model(), _batch(rank, 0)
+    expected = synced(model, x)
+    results: dict[str, Any] = {}
+    for mode in ("precompile", "precompile_once"):
+        if mode == "precompile":
+            forward = pg.load(*pg.precompile(synced, model, x, backend="eager"))
+        else:
+            forward = precompile_once(synced, model, x, src=1, backend="eager")
+        x2 = _batch(rank, 1)[0]
+        got = forward(model, x2)
+        assert isinstance(got, tuple)
+        for name, value, want in zip(
+            (
+                "total",
+                "max",
+                "min",
+                "broadcast",
+                "gathered",
+                "scattered",
+                "stacked",
+                "halves",
+            ),
+            got,
+            synced(model, x2),
+            strict=True,
+        ):
+            torch.testing.assert_close(value, want, msg=f"{mode}: {name}")
+        results[mode] = _gathered({"total": got[0], "broadcast": got[3]})
+    assert expected[0].shape == (6, 2)
+    results["refused"] = {
+        name: _refused(
+            lambda fn=fn: pg.precompile(fn, model, x, backend="eager"), model
+        )
+        for name, fn in (("async", async_all_reduce), ("product", product_all_reduce))
+    }
+    return results
+
+
+def test_in_place_collectives_are_captured_as_functional_ones(tmp_path: Path) -> None:
+    results = run_ranks(2, tmp_path, in_place_collectives)
+    for result in results:
+        assert result is not None
+        for mode in ("precompile", "precompile_once"):
+            for name, per_rank in result[mode].items():
+                assert per_rank[0] == per_rank[1], f"{mode}: {name}"
+        async_error, product_error = result["refused"].values()
+        assert "all_reduce with async_op=True" in async_error
+        assert "Call it with async_op=False" in async_error
+        assert "op=" in product_error and "SUM, AVG, MAX and MIN do" in product_error
