@@ -415,23 +415,66 @@ _FUNCTIONAL: dict[str, Callable[..., None]] = {
 }
 
 
+# The other collectives and point-to-point calls: refused where they are called,
+# before they could communicate (the observing run executes what Dynamo does not
+# compile, and a capture on one rank would wait for the others forever).
+_REFUSED = (
+    "all_gather",
+    "all_gather_object",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "irecv",
+    "isend",
+    "monitored_barrier",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "scatter_object_list",
+    "send",
+)
+
+
+def _refusing(name: str) -> Callable[..., None]:
+    def refused(*args: object, **kwargs: object) -> None:
+        raise PrecompileError(
+            f"the function calls torch.distributed.{name}, which the capture cannot "
+            "record (it has no functional equivalent here). Use all_reduce, "
+            "broadcast, all_gather_into_tensor or reduce_scatter_tensor (recorded as "
+            "functional collectives), or call it outside the function."
+        )
+
+    return refused
+
+
 @contextlib.contextmanager
 def in_place_as_functional() -> Generator[None]:
-    """The in-place collectives as functional ones, the result copied back."""
+    """The in-place collectives as functional ones, the result copied back; the
+    others refused."""
     if not dist.is_available() or not dist.is_initialized():
         yield
         return
     from torch.distributed import distributed_c10d
 
+    replacements = {
+        **{name: _refusing(name) for name in _REFUSED},
+        **_FUNCTIONAL,
+    }
     owners = (dist, distributed_c10d)
     originals = [
         (owner, name, getattr(owner, name))
         for owner in owners
-        for name in _FUNCTIONAL
+        for name in replacements
         if hasattr(owner, name)
     ]
     for owner, name, _ in originals:
-        setattr(owner, name, _FUNCTIONAL[name])
+        setattr(owner, name, replacements[name])
     try:
         yield
     finally:

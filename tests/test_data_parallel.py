@@ -76,10 +76,11 @@ def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _train_like_ddp(
-    rank: int, backend: str, optimizer_name: str, once: bool
+    rank: int, backend: str, optimizer_name: str, once: bool, **options: Any
 ) -> dict[str, Any]:
-    """Three steps of the artifact and of DDP's eager step, side by side."""
-    model, reference = DDP(_model()), DDP(_model())
+    """Three steps of the artifact and of DDP's eager step, side by side, both DDP
+    modules built with ``options``."""
+    model, reference = DDP(_model(), **options), DDP(_model(), **options)
     optimizer = _OPTIMIZERS[optimizer_name](model)
     reference_optimizer = _OPTIMIZERS[optimizer_name](reference)
     x, y = _batch(rank, 0)
@@ -114,8 +115,18 @@ def ddp_training_matches_eager(rank: int, backend: str) -> dict[str, Any]:
         return {"SGD": _train_like_ddp(rank, backend, "SGD", once=False)}
     return {
         "SGD": _train_like_ddp(rank, backend, "SGD", once=False),
-        "AdamW once": _train_like_ddp(rank, backend, "AdamW", once=True),
-        "AdamW": _train_like_ddp(rank, backend, "AdamW", once=False),
+        "AdamW once": _train_like_ddp(
+            rank, backend, "AdamW", once=True, find_unused_parameters=True
+        ),
+        # A bucket per parameter (a cap below each one's size).
+        "AdamW": _train_like_ddp(
+            rank,
+            backend,
+            "AdamW",
+            once=False,
+            bucket_cap_mb=1e-5,
+            gradient_as_bucket_view=True,
+        ),
     }
 
 
@@ -204,6 +215,8 @@ def _refused_captures(rank: int) -> dict[str, str]:
     unsynced = DDP(_model())
     with unsynced.no_sync():
         no_sync = capture(unsynced)
+    partly_ignored = _model()
+    DDP._set_params_and_buffers_to_ignore_for_model(partly_ignored, ["0.bias"])
     return {
         "comm hook": capture(hooked),
         "builtin comm hook": capture(compressed),
@@ -213,6 +226,7 @@ def _refused_captures(rank: int) -> dict[str, str]:
         "buffers": capture(DDP(_with_buffer())),
         "unused": capture(DDP(TwoHeads(), find_unused_parameters=True)),
         "no_sync in fn": capture(DDP(_model()), step_inside_no_sync),
+        "ignored": capture(DDP(partly_ignored)),
     }
 
 
@@ -233,6 +247,9 @@ def _refused_calls(rank: int) -> tuple[dict[str, str], str, str]:
         "plain module": call(model.module),
         "other group": call(other_group),
     }
+    static = DDP(_model())
+    static._set_static_graph()
+    refused["static_graph"] = call(static)
     model.register_comm_hook(None, allreduce_hook)
     refused["comm hook"] = call(model)
     return refused, code, base64.b64encode(cache).decode()
@@ -252,6 +269,7 @@ _CAPTURE_REFUSALS = {
     "buffers": ["broadcast_buffers=True", "broadcast_buffers=False"],
     "unused": ["got no gradient", "unused_head.weight", "Use every parameter"],
     "no_sync in fn": ["inside no_sync()", "call backward once"],
+    "ignored": ["ignores some parameters", "without _ddp_params_and_buffers_to_ignore"],
 }
 _CALL_REFUSALS = {
     "no_sync": ["inside a no_sync() context", "outside no_sync()"],
@@ -261,6 +279,7 @@ _CALL_REFUSALS = {
     ],
     "other group": ["over process group '1'", "group '0'", "Wrap the model with"],
     "comm hook": ["communication hook", "Remove the hook"],
+    "static_graph": ["set to static_graph after capture", "Leave static_graph off"],
 }
 
 
@@ -367,6 +386,12 @@ def product_all_reduce(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def reduce_to_rank_0(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = model(x)
+    dist.reduce(y, dst=0)
+    return y
+
+
 def in_place_collectives(rank: int) -> dict[str, Any]:
     model, (x, _) = _model(), _batch(rank, 0)
     expected = synced(model, x)
@@ -401,7 +426,11 @@ def in_place_collectives(rank: int) -> dict[str, Any]:
         name: _refused(
             lambda fn=fn: pg.precompile(fn, model, x, backend="eager"), model
         )
-        for name, fn in (("async", async_all_reduce), ("product", product_all_reduce))
+        for name, fn in (
+            ("async", async_all_reduce),
+            ("product", product_all_reduce),
+            ("reduce", reduce_to_rank_0),
+        )
     }
     return results
 
@@ -413,7 +442,9 @@ def test_in_place_collectives_are_captured_as_functional_ones(tmp_path: Path) ->
         for mode in ("precompile", "precompile_once"):
             for name, per_rank in result[mode].items():
                 assert per_rank[0] == per_rank[1], f"{mode}: {name}"
-        async_error, product_error = result["refused"].values()
+        async_error, product_error, reduce_error = result["refused"].values()
+        assert "torch.distributed.reduce, which" in reduce_error
+        assert "all_gather_into_tensor" in reduce_error
         assert "all_reduce with async_op=True" in async_error
         assert "Call it with async_op=False" in async_error
         assert "op=" in product_error and "SUM, AVG, MAX and MIN do" in product_error
