@@ -493,16 +493,16 @@ def functional_collectives() -> Generator[None]:
         yield
 
 
-def locally(run: Callable[..., object]) -> Callable[..., object]:
-    """``run`` with its functional collectives computed locally (for the observing
-    run, which runs Dynamo's graphs on copies and must not communicate)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return run
+def locally(gm: torch.fx.GraphModule) -> Callable[..., object]:
+    """``gm``'s forward, with its functional collectives computed locally (for the
+    observing run, which runs Dynamo's graphs on copies and must not communicate)."""
+    if not graph_groups(gm):
+        return gm.forward
 
-    @functools.wraps(run)
+    @functools.wraps(gm.forward)
     def local(*args: object, **kwargs: object) -> object:
         with _LocalCollectives():
-            return run(*args, **kwargs)
+            return gm.forward(*args, **kwargs)
 
     return local
 
@@ -548,6 +548,9 @@ def _local_result(func: Any, name: str, args: tuple[Any, ...]) -> torch.Tensor:
 
     with disable_proxy_modes_tracing():
         tensor = args[0]
+        if name in ("all_reduce_", "broadcast_"):
+            # The in-place variants: the tensor as this rank has it.
+            return tensor
         if name in ("all_reduce", "broadcast"):
             return tensor.clone()
         if name == "all_gather_into_tensor":

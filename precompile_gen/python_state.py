@@ -171,7 +171,7 @@ def _dynamo_pass(
     # Collectives computed locally: the pass runs on one rank's copies, and must
     # not wait for the others (precompile_once captures on one rank only).
     def run_eagerly(gm: torch.fx.GraphModule, example_inputs: object) -> Any:
-        return data_parallel.locally(gm.forward)
+        return data_parallel.locally(gm)
 
     # A fresh code object for the entry, for the same reason.
     def entry(*args: object) -> object:
