@@ -495,8 +495,10 @@ def functional_collectives() -> Generator[None]:
 
 def locally(gm: torch.fx.GraphModule) -> Callable[..., object]:
     """``gm``'s forward, with its functional collectives computed locally (for the
-    observing run, which runs Dynamo's graphs on copies and must not communicate)."""
-    if not graph_groups(gm):
+    observing run, which runs Dynamo's graphs on copies and must not communicate).
+    Dynamo's graphs name collectives in several ways (functions, op packets), so
+    every graph is run so once a process group exists."""
+    if not dist.is_available() or not dist.is_initialized():
         return gm.forward
 
     @functools.wraps(gm.forward)
