@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import precompile_gen as pg
 from precompile_gen.distributed import precompile_once
+from precompile_gen.inspection import format_report, inspect_artifact
 
 STEPS = 3
 
@@ -348,6 +349,8 @@ def test_a_call_on_another_world_size_is_refused(
         {"name": "0", "backend": "gloo", "ranks": [0, 1]}
     ]
     assert cast(list[str], metadata["PARAM_NAMES"])[0] == "module.0.weight"
+    report = format_report(inspect_artifact(code))
+    assert "0     gloo     [0, 1]        argument 0 (bucket_cap_mb=25.0)" in report
 
 
 # In-place collectives inside the function.
