@@ -8,7 +8,7 @@ them in one place, ``metadata_constants``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from precompile_gen.errors import PrecompileValueError
@@ -78,12 +78,16 @@ METADATA_NAMES: tuple[str, ...] = (
     "KERNEL_SOURCES",
     "OPTIMIZERS",
     "SCALAR_OUTPUTS",
+    "PROCESS_GROUPS",
+    "DATA_PARALLEL",
 )
 # Emitted only by captures that have them; an artifact without one has none.
 OPTIONAL_METADATA: dict[str, object] = {
     "PYTHON_VALUES": [],
     "OPTIMIZERS": [],
     "SCALAR_OUTPUTS": [],
+    "PROCESS_GROUPS": [],
+    "DATA_PARALLEL": [],
 }
 
 
@@ -277,6 +281,12 @@ class CaptureResult:
     # What the cache carries to skip compilation on reload (None for eager): plain
     # data that torch.load(weights_only=True) reads back.
     cache_artifact: dict[str, object] | None
+    # The process groups the graph's collectives (and DDP arguments) use, each
+    # {"name", "backend", "ranks"}: a call must bring the same groups.
+    process_groups: list[dict[str, object]] = field(default_factory=list)
+    # Per DistributedDataParallel argument: {"position", "group", ...}, the options
+    # the graph's gradient reduction was built for.
+    data_parallel: list[dict[str, object]] = field(default_factory=list)
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:
@@ -332,4 +342,6 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
             for optimizer in cap.optimizers
         ],
         "SCALAR_OUTPUTS": cap.scalar_outputs,
+        "PROCESS_GROUPS": cap.process_groups,
+        "DATA_PARALLEL": cap.data_parallel,
     }

@@ -119,6 +119,9 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
             list(value)
             for value in cast(list[tuple[str, str]], metadata.get("PYTHON_VALUES", []))
         ],
+        # The process groups the graph communicates over, and the DDP arguments.
+        "process_groups": metadata.get("PROCESS_GROUPS", []),
+        "data_parallel": metadata.get("DATA_PARALLEL", []),
         "module_state": _module_state(metadata),
         "user_inputs": user_inputs,
         "aliased_inputs": _aliased_inputs(
@@ -205,6 +208,31 @@ def format_report(report: dict[str, Any]) -> str:
                     ]
                     for o in report["optimizers"]
                     for number, group in enumerate(o["groups"])
+                ],
+            )
+        )
+        out.append("")
+    if report["process_groups"]:
+        out.append(
+            "process groups the graph communicates over (each call must have them)"
+        )
+        out.extend(
+            _table(
+                ["name", "backend", "global ranks", "DistributedDataParallel"],
+                [
+                    [
+                        g["name"],
+                        g["backend"],
+                        str(g["ranks"]),
+                        ", ".join(
+                            f"argument {d['position']} "
+                            f"(bucket_cap_mb={d['bucket_cap_mb']})"
+                            for d in report["data_parallel"]
+                            if d["group"] == g["name"]
+                        )
+                        or "-",
+                    ]
+                    for g in report["process_groups"]
                 ],
             )
         )

@@ -102,6 +102,8 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
             )
         ],
         aliased_inputs=traced.aliased_inputs,
+        process_groups=traced.process_groups,
+        data_parallel=traced.data_parallel,
         graph=CompiledGraph(
             source=graph_source,
             tensor_literals=[

@@ -33,6 +33,7 @@ from typing import Any, cast
 
 import torch
 
+from precompile_gen import data_parallel
 from precompile_gen.capture_result import PythonValue
 from precompile_gen.errors import PrecompileError
 
@@ -225,8 +226,10 @@ def _dynamo_pass(
     # A backend of this pass's own: Dynamo reuses a frame it compiled before (fn's
     # own, after a graph break in it) only for the same backend, and a reused frame
     # would not pass through ``keep`` again.
+    # Collectives computed locally: the pass runs on one rank's copies, and must
+    # not wait for the others (precompile_once captures on one rank only).
     def run_eagerly(gm: torch.fx.GraphModule, example_inputs: object) -> Any:
-        return gm.forward
+        return data_parallel.locally(gm)
 
     # A fresh code object for the entry, for the same reason.
     def entry(*args: object) -> object:

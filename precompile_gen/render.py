@@ -239,6 +239,9 @@ class DriverFeatures:
     dampened_momentum: bool
     # Outputs the function returned as t.item(), which the driver converts.
     scalar_outputs: bool
+    # Collectives over process groups, and DistributedDataParallel arguments.
+    process_groups: bool
+    data_parallel: bool
 
     @property
     def layouts(self) -> bool:
@@ -294,6 +297,8 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
             for group in optimizer.groups
         ),
         scalar_outputs=bool(cap.scalar_outputs),
+        process_groups=bool(cap.process_groups),
+        data_parallel=bool(cap.data_parallel),
     )
 
 

@@ -193,6 +193,15 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             InputLeaf(None, None, None, None, None, None, 0.5),
         ],
         in_spec=None,
+        process_groups=[{"name": "0", "backend": "gloo", "ranks": [0, 1]}],
+        data_parallel=[
+            {
+                "position": 0,
+                "group": "0",
+                "find_unused_parameters": False,
+                "bucket_cap_mb": 25.0,
+            }
+        ],
     )
 
 

@@ -30,6 +30,7 @@ from precompile_gen import (
     aliasing,
     convention,
     data_dependent,
+    data_parallel,
     dynamic_dims,
     grad_resets,
     optimizers,
@@ -124,6 +125,10 @@ class TracedGraph:
     out_spec: pytree.TreeSpec
     # Strides as the example had them; lowering keeps those the graph depends on.
     leaves: list[InputLeaf]
+    # The process groups the graph's collectives use, and each DDP argument's
+    # options (``data_parallel``): the driver holds each call to them.
+    process_groups: list[dict[str, object]]
+    data_parallel: list[dict[str, object]]
 
 
 def _warn_of_hooks(
@@ -179,12 +184,18 @@ def trace(
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
     fn_name = function_name(fn)
-    # First, on copies: refuses Python effects before the trace would make them.
-    python_values = python_state.observe(fn, example_inputs)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
     modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
+    for position, module in zip(module_positions, modules, strict=True):
+        if data_parallel.is_data_parallel(module):
+            data_parallel.check_module(module, position)
+    # First, on copies: refuses Python effects before the trace would make them.
+    with data_parallel.in_place_as_functional():
+        python_values = python_state.observe(
+            fn, data_parallel.observable(example_inputs)
+        )
     optimizer_positions = [
         i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
     ]
@@ -265,6 +276,7 @@ def trace(
                 stepped,
             ),
             data_dependent.value_reads(modules, fn_name),
+            data_parallel.reducing(modules, *_module_params(state, flat, len(modules))),
         ):
             args = _interleave(example_inputs, lifted_positions, inputs)
             try:
@@ -294,6 +306,7 @@ def trace(
             _compiling(),
             _rnns_step_by_step(),
             python_state.refusing_python_rng(fn),
+            data_parallel.functional_collectives(),
         ):
             gm = make_fx(
                 flat_fn,
@@ -350,6 +363,12 @@ def trace(
     _drop_profiler_ranges(gm)
     _reject_effectful_ops(gm)
     return TracedGraph(
+        process_groups=data_parallel.process_groups(gm, modules),
+        data_parallel=[
+            data_parallel.data_parallel_record(module, position)
+            for position, module in zip(module_positions, modules, strict=True)
+            if data_parallel.is_data_parallel(module)
+        ],
         gm=gm,
         flat_args=flat_args,
         fn_name=fn_name,
@@ -395,6 +414,19 @@ def trace(
             )
         ],
     )
+
+
+def _module_params(
+    state: ModuleState, flat: list[Any], count: int
+) -> tuple[list[list[torch.Tensor]], list[list[str]]]:
+    """Per module argument, its traced parameters (each once) and their names."""
+    params: list[list[torch.Tensor]] = [[] for _ in range(count)]
+    names: list[list[str]] = [[] for _ in range(count)]
+    for mi, _, index in state.bindings:
+        if index < state.num_params and state.param_names[index] not in names[mi]:
+            params[mi].append(flat[index])
+            names[mi].append(state.param_names[index])
+    return params, names
 
 
 def _untraceable(

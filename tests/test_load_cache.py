@@ -208,6 +208,9 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "OPTIMIZERS": [],
         # Emitted only by a function that returns t.item(); likewise.
         "SCALAR_OUTPUTS": [],
+        # Emitted only by a capture with collectives or a DDP argument; likewise.
+        "PROCESS_GROUPS": [],
+        "DATA_PARALLEL": [],
     }
     assert list(meta) == [
         "BACKEND",
@@ -245,6 +248,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "KERNEL_SOURCES",
         "OPTIMIZERS",
         "SCALAR_OUTPUTS",
+        "PROCESS_GROUPS",
+        "DATA_PARALLEL",
     ]
 
 

@@ -43,6 +43,7 @@ def test_stubs_cover_every_template() -> None:
             "aliasing",
             "layouts",
             "fast_path",
+            "process_groups",
             "python_values",
             "grad_resets",
             "gradients",
