@@ -8,7 +8,7 @@ them in one place, ``metadata_constants``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from precompile_gen.errors import PrecompileValueError
@@ -74,6 +74,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_SYMBOLS",
     "USER_INPUT_VALUES",
     "ALIASED_INPUTS",
+    "DTENSORS",
     "KERNEL_BINARIES",
     "KERNEL_SOURCES",
     "OPTIMIZERS",
@@ -84,6 +85,7 @@ OPTIONAL_METADATA: dict[str, object] = {
     "PYTHON_VALUES": [],
     "OPTIMIZERS": [],
     "SCALAR_OUTPUTS": [],
+    "DTENSORS": {},
 }
 
 
@@ -143,6 +145,15 @@ class OptimizerArgument(NamedTuple):
     # leaves, in this order; a parameter's are created as its first step would
     # create them when the runtime optimizer has none yet.
     state: list[OptimizerStateTensor]
+
+
+class DTensorLayout(NamedTuple):
+    """How a DTensor graph input was sharded at capture: the graph replays its ops
+    on the call's DTensors, which shard them as these did."""
+
+    mesh_shape: tuple[int, ...]
+    # Each mesh dim's placement, as its repr ("Shard(dim=0)", "Replicate()").
+    placements: tuple[str, ...]
 
 
 class StateTensor(NamedTuple):
@@ -277,6 +288,10 @@ class CaptureResult:
     # What the cache carries to skip compilation on reload (None for eager): plain
     # data that torch.load(weights_only=True) reads back.
     cache_artifact: dict[str, object] | None
+    # The graph inputs that were DTensors, by position (module state, then input
+    # leaves), with their mesh shape and placements: the driver holds each call to
+    # them, and every other position to a plain tensor.
+    dtensors: dict[int, DTensorLayout] = field(default_factory=dict)
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:
@@ -316,6 +331,9 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
         "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
         "ALIASED_INPUTS": cap.aliased_inputs,
+        "DTENSORS": {
+            position: tuple(layout) for position, layout in cap.dtensors.items()
+        },
         "KERNEL_BINARIES": cap.kernel_binaries,
         "KERNEL_SOURCES": cap.kernel_sources,
         "OPTIMIZERS": [

@@ -102,6 +102,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
             )
         ],
         aliased_inputs=traced.aliased_inputs,
+        dtensors=traced.dtensors,
         graph=CompiledGraph(
             source=graph_source,
             tensor_literals=[

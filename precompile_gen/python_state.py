@@ -262,6 +262,11 @@ def _writing_line() -> str | None:
     if not frames:
         tx = InstructionTranslator.current_tx()
         frames = [(tx.f_code.co_filename, tx.lineno, tx.f_code.co_name)]
+    # A dataclass's generated __init__ (compiled from "<string>") writes the fields
+    # of the object being constructed, which is new: DTensor's dispatch builds such
+    # records on every op, in a frame Dynamo may compile on its own.
+    if frames[-1][0] == "<string>" and frames[-1][2] == "__init__":
+        return None
     # nn.Module.__setattr__ makes the write of ``self.count = ...``.
     while (
         len(frames) > 1 and frames[-1][2] == "__setattr__" and _library(frames[-1][0])

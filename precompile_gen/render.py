@@ -239,6 +239,8 @@ class DriverFeatures:
     dampened_momentum: bool
     # Outputs the function returned as t.item(), which the driver converts.
     scalar_outputs: bool
+    # DTensor graph inputs, whose mesh shapes and placements the driver checks.
+    dtensors: bool = False
 
     @property
     def layouts(self) -> bool:
@@ -294,6 +296,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
             for group in optimizer.groups
         ),
         scalar_outputs=bool(cap.scalar_outputs),
+        dtensors=bool(cap.dtensors),
     )
 
 
