@@ -82,15 +82,8 @@ def copy(
 def check_capture(example_inputs: tuple[object, ...], backend: str) -> None:
     """Refuse, before anything runs, what the artifact cannot reproduce: FSDP2
     modules, and DTensors on the inductor backend."""
-    modules = [a for a in example_inputs if isinstance(a, torch.nn.Module)]
-    _reject_fully_sharded(modules)
-    if backend != "inductor":
-        return
-    tensors = [
-        *(t for module in modules for t in (*module.parameters(), *module.buffers())),
-        *(leaf for leaf in torch.utils._pytree.tree_leaves(example_inputs)),
-    ]
-    if any(is_dtensor(t) for t in tensors):
+    _reject_fully_sharded([a for a in example_inputs if isinstance(a, torch.nn.Module)])
+    if backend == "inductor" and holds_dtensors(example_inputs):
         raise PrecompileError(
             "the model or inputs hold DTensors (sharded over a device mesh), which "
             "the inductor backend cannot compile here: the trace records the ops "
@@ -98,6 +91,20 @@ def check_capture(example_inputs: tuple[object, ...], backend: str) -> None:
             "sharding and collectives DTensor's dispatch adds to them. Capture with "
             "backend='eager', which replays the ops on the call's DTensors."
         )
+
+
+def holds_dtensors(arguments: tuple[object, ...]) -> bool:
+    """Whether a module argument's parameters or buffers, or an input, is a DTensor."""
+    if _dtensor_class() is None:
+        return False
+    modules = [a for a in arguments if isinstance(a, torch.nn.Module)]
+    return any(
+        is_dtensor(t)
+        for t in [
+            *(t for m in modules for t in (*m.parameters(), *m.buffers())),
+            *torch.utils._pytree.tree_leaves(arguments),
+        ]
+    )
 
 
 def _reject_fully_sharded(modules: list[torch.nn.Module]) -> None:
@@ -121,7 +128,9 @@ def _reject_fully_sharded(modules: list[torch.nn.Module]) -> None:
                 )
 
 
-def reject_aliasing(groups: list[dict[int, Any]], flat: list[object], names: list[str]) -> None:
+def reject_aliasing(
+    groups: list[dict[int, Any]], flat: list[object], names: list[str]
+) -> None:
     """Refuse DTensors that share a local storage with another input: the driver
     holds calls to the aliasing of plain tensors only."""
     for group in groups:

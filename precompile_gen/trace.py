@@ -228,7 +228,13 @@ def trace(
     dtensors.reject_aliasing(
         aliased_inputs,
         [*state.tensors, *user_leaves],
-        [*(f"the model's {name!r}" for name in state.param_names + state.buffer_names), *leaf_names],
+        [
+            *(
+                f"the model's {name!r}"
+                for name in state.param_names + state.buffer_names
+            ),
+            *leaf_names,
+        ],
     )
     dtensor_layouts = dtensors.layouts([*state.tensors, *user_leaves])
     # The optimizers' state and lr tensors follow the input leaves.
