@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from precompile_gen.capture_result import DTensorLayout
 from precompile_gen.errors import PrecompileError
@@ -102,7 +103,7 @@ def holds_dtensors(arguments: tuple[object, ...]) -> bool:
         is_dtensor(t)
         for t in [
             *(t for m in modules for t in (*m.parameters(), *m.buffers())),
-            *torch.utils._pytree.tree_leaves(arguments),
+            *pytree.tree_leaves(arguments),
         ]
     )
 

@@ -18,6 +18,7 @@ from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
     CompiledGraph,
+    DTensorLayout,
     InputLeaf,
     ModuleArgument,
     OptimizerArgument,
@@ -193,6 +194,10 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             InputLeaf(None, None, None, None, None, None, 0.5),
         ],
         in_spec=None,
+        dtensors={
+            0: DTensorLayout((2,), ("Shard(dim=0)",)),
+            2: DTensorLayout((2,), ("Replicate()",)),
+        },
     )
 
 

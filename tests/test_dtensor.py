@@ -34,6 +34,8 @@ import precompile_gen as pg
 from precompile_gen.distributed import precompile_once
 
 WORLD_SIZE = 2
+SHARDED = Shard(0)
+REPLICATED = Replicate()
 
 
 class TwoLayer(nn.Module):
@@ -67,7 +69,7 @@ def _plain_model() -> TwoLayer:
     return TwoLayer()
 
 
-def _sharded_model(mesh: DeviceMesh, up: Placement = Shard(0)) -> TwoLayer:
+def _sharded_model(mesh: DeviceMesh, up: Placement = SHARDED) -> TwoLayer:
     """``up``'s parameters with placement ``up``, ``down``'s replicated."""
 
     def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -76,13 +78,24 @@ def _sharded_model(mesh: DeviceMesh, up: Placement = Shard(0)) -> TwoLayer:
             sharded = distribute_tensor(param.detach(), mesh, [placement])
             module.register_parameter(key, nn.Parameter(sharded))
 
-    return distribute_module(_plain_model(), mesh, partition)
+    model = _plain_model()
+    distribute_module(model, mesh, partition)
+    return model
 
 
-def _batch(mesh: DeviceMesh, seed: int, placement: Placement = Replicate()) -> Any:
+def _batch(mesh: DeviceMesh, seed: int, placement: Placement = REPLICATED) -> Any:
     # The same global batch on every rank, as a replicated input must be.
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
     return distribute_tensor(x, mesh, [placement])
+
+
+def _dtensor(tensor: torch.Tensor) -> DTensor:
+    assert isinstance(tensor, DTensor), type(tensor)
+    return tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return _dtensor(tensor).to_local()
 
 
 def _same_dtensor(got: object, want: object, what: str) -> None:
@@ -104,7 +117,9 @@ def _same_model(model: nn.Module, twin: nn.Module) -> None:
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor | None]:
-    return [None if p.grad is None else p.grad.to_local().clone() for p in model.parameters()]
+    return [
+        None if p.grad is None else _local(p.grad).clone() for p in model.parameters()
+    ]
 
 
 def _refusal(call: Callable[[], object], model: nn.Module | None = None) -> str:
@@ -117,7 +132,7 @@ def _refusal(call: Callable[[], object], model: nn.Module | None = None) -> str:
     except pg.PrecompileError as error:
         if model is not None and before is not None:
             for got, want in zip(model.parameters(), before.parameters(), strict=True):
-                torch.testing.assert_close(got.to_local(), want.to_local())
+                torch.testing.assert_close(_local(got), _local(want))
             after = _grads(model)
             for got, want in zip(after, grads, strict=True):
                 assert (got is None) == (want is None)
@@ -180,7 +195,7 @@ def training(mesh: DeviceMesh) -> dict[str, Any]:
         ),
     }
     # The remembered model, one parameter redistributed: the fast path lets go of it.
-    replicated = model.up.weight.detach().redistribute(mesh, [Replicate()])
+    replicated = _dtensor(model.up.weight.detach()).redistribute(mesh, [Replicate()])
     model.up.weight = nn.Parameter(replicated)
     refusals["parameter redistributed"] = _refusal(
         lambda: forward(model, _batch(mesh, 0)), model
