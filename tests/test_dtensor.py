@@ -58,6 +58,16 @@ def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
 def step_on_two_inputs(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor
 ) -> torch.Tensor:
@@ -203,6 +213,31 @@ def training(mesh: DeviceMesh) -> dict[str, Any]:
     return {"full checks": full_checks_then, "refusals": refusals}
 
 
+def optimizer_training(mesh: DeviceMesh) -> dict[str, Any]:
+    model = _sharded_model(mesh)
+    twin = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    forward = pg.load(
+        *pg.precompile(
+            optimizer_step, model, optimizer, _batch(mesh, 0), backend="eager"
+        )
+    )
+    for seed in range(3):
+        x = _batch(mesh, seed)
+        _same_dtensor(
+            forward(model, optimizer, x),
+            optimizer_step(twin, twin_optimizer, x),
+            f"loss {seed}",
+        )
+        _same_model(model, twin)
+    first, twin_first = next(model.parameters()), next(twin.parameters())
+    state, expected = optimizer.state[first], twin_optimizer.state[twin_first]
+    for key in ("exp_avg", "exp_avg_sq"):
+        _same_dtensor(state[key], expected[key], key)
+    return {"steps": float(state["step"])}
+
+
 def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
     x = _batch(mesh, 0)
     plain_forward = pg.load(
@@ -232,6 +267,7 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
 SCENARIOS: list[Callable[[DeviceMesh], dict[str, Any]]] = [
     inference,
     training,
+    optimizer_training,
     refused_captures,
 ]
 
@@ -280,6 +316,11 @@ def test_training_steps_match_eager_through_the_fast_path(
     for recorded in _scenario(results, "training"):
         # Three calls, one full check: the other two took the fast path.
         assert recorded["full checks"] == 1
+
+
+def test_optimizer_steps_match_eager(results: list[dict[str, Any]]) -> None:
+    for recorded in _scenario(results, "optimizer_training"):
+        assert recorded["steps"] == 3.0
 
 
 @pytest.mark.parametrize(
