@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import precompile_gen as pg
 from precompile_gen.distributed import precompile_once
+from precompile_gen.inspection import format_report, inspect_artifact
 
 WORLD_SIZE = 2
 SHARDED = Shard(0)
@@ -172,11 +173,15 @@ def _counting_full_checks(forward: Callable[..., object]) -> list[int]:
 
 def inference(mesh: DeviceMesh) -> dict[str, Any]:
     model = _sharded_model(mesh)
-    forward = pg.load(*pg.precompile(predict, model, _batch(mesh, 0), backend="eager"))
+    code, cache = pg.precompile(predict, model, _batch(mesh, 0), backend="eager")
+    forward = pg.load(code, cache)
     for seed in range(3):
         x = _batch(mesh, seed)
         _same_dtensor(forward(model, x), predict(model, x), f"output {seed}")
-    return {"dtensors": forward.__globals__["DTENSORS"]}  # type: ignore[attr-defined]
+    return {
+        "dtensors": forward.__globals__["DTENSORS"],  # type: ignore[attr-defined]
+        "inspected": format_report(inspect_artifact(code)),
+    }
 
 
 def training(mesh: DeviceMesh) -> dict[str, Any]:
@@ -308,6 +313,12 @@ def test_inference_matches_eager_on_every_rank(results: list[dict[str, Any]]) ->
             "3": [[2], ["Replicate()"]],
             "4": [[2], ["Replicate()"]],
         }
+        text = recorded["inspected"]
+        assert (
+            "DTensor input: 'up.weight', placements (Shard(dim=0)) on a mesh of "
+            "shape (2,)" in text
+        ), text
+        assert "DTensor input: argument 1, placements (Replicate())" in text, text
 
 
 def test_training_steps_match_eager_through_the_fast_path(
