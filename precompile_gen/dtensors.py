@@ -15,8 +15,9 @@ the fast path, are read from the local shard.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -92,6 +93,98 @@ def check_capture(example_inputs: tuple[object, ...], backend: str) -> None:
             "sharding and collectives DTensor's dispatch adds to them. Capture with "
             "backend='eager', which replays the ops on the call's DTensors."
         )
+
+
+# DTensor's own conversions: each makes a DTensor, or a plain tensor, around a local
+# tensor outside the ops make_fx records, so the trace would see the result as a
+# tensor that existed before the call.
+_CONVERSIONS = ("from_local", "to_local", "redistribute", "full_tensor")
+
+
+@contextlib.contextmanager
+def refusing_conversions(fn_name: str) -> Generator[None]:
+    """While tracing, DTensor's conversions raise a PrecompileError saying why."""
+    cls = _dtensor_class()
+    if cls is None:
+        yield
+        return
+    originals = {name: cls.__dict__[name] for name in _CONVERSIONS}
+    for name in _CONVERSIONS:
+        refuse = _refuser(fn_name, name)
+        setattr(cls, name, staticmethod(refuse) if name == "from_local" else refuse)
+    cls.redistribute = _unless_unchanged(cls.__dict__["redistribute"])
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)
+
+
+def _refuser(fn_name: str, name: str) -> Callable[..., Any]:
+    def refuse(*args: object, **kwargs: object) -> Any:
+        line = _user_line()
+        where = f" (reached from {line})" if line else ""
+        raise PrecompileError(
+            f"{fn_name!r} calls DTensor.{name}(){where}, which capture does not "
+            "support yet: it converts between a DTensor and its local tensor outside "
+            "the tensor ops the trace records, so the graph could not repeat it. "
+            "Tensor parallelism's parallelize_module hooks (ColwiseParallel, "
+            "RowwiseParallel input and output layouts) call it too. Keep the "
+            "function on DTensor ops: pass the inputs as DTensors "
+            "(distribute_tensor), shard the parameters with distribute_module or "
+            "distribute_tensor, and convert the result (.full_tensor(), .to_local(), "
+            ".redistribute()) after the call."
+        )
+
+    return refuse
+
+
+def _unless_unchanged(refuse: Callable[..., Any]) -> Callable[..., Any]:
+    """``redistribute`` that returns the DTensor itself where it asks for the mesh and
+    placements it already has (tensor parallelism's hooks do, for inputs already
+    laid out as they want), which is the identity for values and gradients."""
+
+    def redistribute(
+        self: Any,
+        device_mesh: object = None,
+        placements: object = None,
+        **options: object,
+    ) -> Any:
+        if (
+            # async_op changes nothing where nothing moves; a dtype does.
+            options.get("forward_dtype") is None
+            and options.get("backward_dtype") is None
+            and (device_mesh is None or device_mesh == self.device_mesh)
+            and placements is not None
+            and _normalised(self, placements) == tuple(self.placements)
+        ):
+            return self
+        return refuse(self, device_mesh, placements, **options)
+
+    return redistribute
+
+
+def _normalised(dtensor: Any, placements: Any) -> tuple[object, ...]:
+    from torch.distributed.tensor import Shard
+
+    return tuple(
+        Shard(p.dim + dtensor.ndim) if type(p) is Shard and p.dim < 0 else p
+        for p in placements
+    )
+
+
+def _user_line() -> str | None:
+    # The innermost frame outside torch and this package: the user's call.
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+    return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+_LIBRARY_DIRS = tuple(
+    str(module.__file__).rsplit("/", 1)[0] + "/"
+    for module in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
+)
 
 
 def holds_dtensors(arguments: tuple[object, ...]) -> bool:

@@ -311,6 +311,7 @@ def trace(
             _compiling(),
             _rnns_step_by_step(),
             python_state.refusing_python_rng(fn),
+            dtensors.refusing_conversions(fn_name),
         ):
             gm = make_fx(
                 flat_fn,

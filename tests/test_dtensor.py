@@ -28,6 +28,11 @@ from torch.distributed.tensor import (
     distribute_module,
     distribute_tensor,
 )
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import Placement
 
 import precompile_gen as pg
@@ -51,6 +56,16 @@ class TwoLayer(nn.Module):
 
 def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x)
+
+
+def predict_replicated(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Already replicated: redistributing it to the same placements moves nothing.
+    dtensor = _dtensor(x)
+    return model(dtensor.redistribute(dtensor.device_mesh, [REPLICATED]))
+
+
+def predict_full(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _dtensor(model(x)).full_tensor()
 
 
 def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -178,8 +193,13 @@ def inference(mesh: DeviceMesh) -> dict[str, Any]:
     for seed in range(3):
         x = _batch(mesh, seed)
         _same_dtensor(forward(model, x), predict(model, x), f"output {seed}")
+    forward = pg.load(
+        *pg.precompile(predict_replicated, model, _batch(mesh, 0), backend="eager")
+    )
+    x = _batch(mesh, 5)
+    _same_dtensor(forward(model, x), predict_replicated(model, x), "redistributed")
     return {
-        "dtensors": forward.__globals__["DTENSORS"],  # type: ignore[attr-defined]
+        "dtensors": pg.parse_metadata(code)["DTENSORS"],
         "inspected": format_report(inspect_artifact(code)),
     }
 
@@ -250,7 +270,18 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
     )
     sharded = _sharded_model(mesh)
     fsdp = fully_shard(_plain_model(), mesh=mesh)
+    tensor_parallel = parallelize_module(
+        _plain_model(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    )
     return {
+        "tensor parallel": _refusal(
+            lambda: pg.precompile(
+                train_step, tensor_parallel, x.full_tensor(), backend="eager"
+            )
+        ),
+        "full_tensor": _refusal(
+            lambda: pg.precompile(predict_full, sharded, x, backend="eager")
+        ),
         "fsdp2": _refusal(
             lambda: pg.precompile(train_step, fsdp, x.full_tensor(), backend="eager")
         ),
@@ -382,6 +413,23 @@ def test_a_call_with_other_sharding_is_refused(
             ],
         ),
         ("inductor", ["inductor backend cannot compile", "backend='eager'"]),
+        (
+            "tensor parallel",
+            [
+                "'train_step' calls DTensor.from_local()",
+                "which capture does not support yet",
+                "parallelize_module hooks",
+            ],
+        ),
+        (
+            "full_tensor",
+            [
+                "'predict_full' calls DTensor.full_tensor() (reached from ",
+                "test_dtensor.py:",
+                "convert the result (.full_tensor(), .to_local(), .redistribute()) "
+                "after the call",
+            ],
+        ),
         ("aliasing", ["aliasing among DTensors", ".clone() one of them"]),
         ("precompile_once", ["Call precompile() on every rank"]),
         (
