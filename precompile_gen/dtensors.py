@@ -1,7 +1,7 @@
 """DTensor arguments: parameters, buffers and inputs sharded over a device mesh.
 
-A ``DTensor`` (what ``distribute_tensor``, ``distribute_module`` and tensor
-parallelism make) is a wrapper: its global shape, dtype and device are the tensor's,
+A ``DTensor`` (what ``distribute_tensor`` and ``distribute_module`` make) is a
+wrapper: its global shape, dtype and device are the tensor's,
 its data is the local shard (``_local_tensor``), and its placements say how the
 global tensor is laid out over the mesh. make_fx records the ops a DTensor receives;
 the eager graph replays them on the call's DTensors, whose dispatch shards each op
