@@ -15,18 +15,24 @@ from typing import cast
 
 import torch
 
+from precompile_gen import dtensors
 from precompile_gen.capture_result import AliasGroup
 
 
 def _is_plain_tensor(value: object) -> bool:
-    # Subclasses (fake tensors, DTensor, ...) keep their own notion of storage.
-    return type(value) is torch.Tensor or type(value) is torch.nn.Parameter
+    # Subclasses (fake tensors, ...) keep their own notion of storage; a DTensor's
+    # data is its local shard's.
+    return (
+        type(value) is torch.Tensor
+        or type(value) is torch.nn.Parameter
+        or dtensors.is_dtensor(value)
+    )
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
     """What identifies ``tensor``'s storage; None for an empty one, which no other
     tensor can see into."""
-    pointer = tensor.untyped_storage().data_ptr()
+    pointer = dtensors.data(tensor).untyped_storage().data_ptr()
     return None if pointer == 0 else (str(tensor.device), pointer)
 
 
@@ -81,6 +87,11 @@ def copies_for_trace(values: list[object]) -> list[object]:
             result.append(value)
             continue
         tensor = cast(torch.Tensor, value)
+        if dtensors.is_dtensor(tensor):
+            if id(tensor) not in copies:
+                copies[id(tensor)] = dtensors.copy(tensor, _copy)
+            result.append(copies[id(tensor)])
+            continue
         if id(tensor) not in copies:
             key = storage_key(tensor)
             if key is not None and key in shared:

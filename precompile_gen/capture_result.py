@@ -74,6 +74,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_SYMBOLS",
     "USER_INPUT_VALUES",
     "ALIASED_INPUTS",
+    "DTENSORS",
     "KERNEL_BINARIES",
     "KERNEL_SOURCES",
     "OPTIMIZERS",
@@ -88,6 +89,7 @@ OPTIONAL_METADATA: dict[str, object] = {
     "SCALAR_OUTPUTS": [],
     "PROCESS_GROUPS": [],
     "DATA_PARALLEL": [],
+    "DTENSORS": {},
 }
 
 
@@ -147,6 +149,15 @@ class OptimizerArgument(NamedTuple):
     # leaves, in this order; a parameter's are created as its first step would
     # create them when the runtime optimizer has none yet.
     state: list[OptimizerStateTensor]
+
+
+class DTensorLayout(NamedTuple):
+    """How a DTensor graph input was sharded at capture: the graph replays its ops
+    on the call's DTensors, which shard them as these did."""
+
+    mesh_shape: tuple[int, ...]
+    # Each mesh dim's placement, as its repr ("Shard(dim=0)", "Replicate()").
+    placements: tuple[str, ...]
 
 
 class StateTensor(NamedTuple):
@@ -287,6 +298,10 @@ class CaptureResult:
     # Per DistributedDataParallel argument: {"position", "group", ...}, the options
     # the graph's gradient reduction was built for.
     data_parallel: list[dict[str, object]] = field(default_factory=list)
+    # The graph inputs that were DTensors, by position (module state, then input
+    # leaves), with their mesh shape and placements: the driver holds each call to
+    # them, and every other position to a plain tensor.
+    dtensors: dict[int, DTensorLayout] = field(default_factory=dict)
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:
@@ -326,6 +341,9 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
         "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
         "ALIASED_INPUTS": cap.aliased_inputs,
+        "DTENSORS": {
+            position: tuple(layout) for position, layout in cap.dtensors.items()
+        },
         "KERNEL_BINARIES": cap.kernel_binaries,
         "KERNEL_SOURCES": cap.kernel_sources,
         "OPTIMIZERS": [

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from precompile_gen import dtensors
 from precompile_gen.api import precompile
 from precompile_gen.cache import check_key, code_hash
 from precompile_gen.capture_result import check_backend
@@ -100,6 +101,7 @@ def precompile_once(
     message: tuple[int, str, bytes] | None = None
     if rank == src:
         try:
+            _reject_dtensors(example_inputs)
             pair = precompile(
                 fn,
                 *example_inputs,
@@ -145,6 +147,17 @@ def precompile_once(
         ) from local_error
     assert forward is not None  # no rank failed, so this one loaded
     return forward
+
+
+def _reject_dtensors(example_inputs: tuple[object, ...]) -> None:
+    if dtensors.holds_dtensors(example_inputs):
+        raise PrecompileError(
+            "the example inputs hold DTensors, which precompile_once cannot "
+            "capture: tracing them runs DTensor's collectives, on the source rank "
+            "alone, while the other ranks wait for its pair. Call precompile() on "
+            "every rank (each rank traces its own shard, and the ranks run the "
+            "collectives together), then load() the pair there."
+        )
 
 
 def _describe(fn: object) -> str:

@@ -131,6 +131,14 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
                 for leaf in cast(list[dict[str, str]], user_inputs["leaves"])
             ],
         ),
+        # The DTensor inputs, by name: [name, mesh shape, placements].
+        "dtensors": _dtensors(
+            metadata,
+            [
+                leaf["leaf"]
+                for leaf in cast(list[dict[str, str]], user_inputs["leaves"])
+            ],
+        ),
         "output": _output(metadata),
         "graph": _graph(section_statements(module, graph), metadata),
         "kernel_binaries": _pinned_binaries(metadata),
@@ -292,6 +300,13 @@ def format_report(report: dict[str, Any]) -> str:
         out.append(f"aliased inputs: {', '.join(group)} share one storage (as traced)")
     if report["aliased_inputs"]:
         out.append("")
+    for name, mesh_shape, placements in report["dtensors"]:
+        out.append(
+            f"DTensor input: {name}, placements ({', '.join(placements)}) on a mesh "
+            f"of shape {tuple(mesh_shape)}"
+        )
+    if report["dtensors"]:
+        out.append("")
     out.append("graph")
     kernels = graph["kernels"]
     if kernels:
@@ -353,16 +368,36 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _input_names(metadata: dict[str, object], leaves: list[str]) -> list[str]:
+    state = [
+        *cast(list[str], metadata["PARAM_NAMES"]),
+        *cast(list[str], metadata["BUFFER_NAMES"]),
+    ]
+    return [*(repr(name) for name in state), *leaves]
+
+
+def _dtensors(metadata: dict[str, object], leaves: list[str]) -> list[list[object]]:
+    """Each DTensor graph input, by name, with its mesh shape and placements."""
+    layouts = metadata.get("DTENSORS")
+    if not isinstance(layouts, dict):
+        return []
+    names = _input_names(metadata, leaves)
+    return [
+        [
+            names[p] if isinstance(p, int) and 0 <= p < len(names) else f"input {p!r}",
+            list(mesh_shape),
+            list(placements),
+        ]
+        for p, (mesh_shape, placements) in sorted(layouts.items())
+    ]
+
+
 def _aliased_inputs(metadata: dict[str, object], leaves: list[str]) -> list[list[str]]:
     """Each group of graph inputs that shared a storage at capture, by name."""
     groups = metadata.get("ALIASED_INPUTS")
     if not isinstance(groups, list):
         return []
-    state = [
-        *cast(list[str], metadata["PARAM_NAMES"]),
-        *cast(list[str], metadata["BUFFER_NAMES"]),
-    ]
-    names = [*(repr(name) for name in state), *leaves]
+    names = _input_names(metadata, leaves)
     return [
         [
             names[p] if isinstance(p, int) and 0 <= p < len(names) else f"input {p!r}"

@@ -104,6 +104,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         aliased_inputs=traced.aliased_inputs,
         process_groups=traced.process_groups,
         data_parallel=traced.data_parallel,
+        dtensors=traced.dtensors,
         graph=CompiledGraph(
             source=graph_source,
             tensor_literals=[

@@ -369,7 +369,13 @@ def _writing_line() -> str | None:
         len(frames) > 1 and frames[-1][2] == "__setattr__" and _library(frames[-1][0])
     ):
         frames.pop()
-    filename, lineno, _ = frames[-1]
+    filename, lineno, name = frames[-1]
+    # A dataclass's generated __init__ (compiled from "<string>") writes the fields
+    # of the object being constructed, which is new, though Dynamo, compiling that
+    # frame on its own, sees it as existing: DTensor's dispatch builds such records
+    # on every op, a transformers model its ModelOutput.
+    if filename == "<string>" and name == "__init__":
+        return None
     return None if _library(filename) else f"{filename}:{lineno}"
 
 

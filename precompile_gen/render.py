@@ -242,6 +242,8 @@ class DriverFeatures:
     # Collectives over process groups, and DistributedDataParallel arguments.
     process_groups: bool
     data_parallel: bool
+    # DTensor graph inputs, whose mesh shapes and placements the driver checks.
+    dtensors: bool = False
 
     @property
     def layouts(self) -> bool:
@@ -299,6 +301,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         scalar_outputs=bool(cap.scalar_outputs),
         process_groups=bool(cap.process_groups),
         data_parallel=bool(cap.data_parallel),
+        dtensors=bool(cap.dtensors),
     )
 
 

@@ -18,6 +18,7 @@ from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
     CompiledGraph,
+    DTensorLayout,
     InputLeaf,
     ModuleArgument,
     OptimizerArgument,
@@ -202,6 +203,10 @@ def all_features_capture(backend: Backend) -> CaptureResult:
                 "bucket_cap_mb": 25.0,
             }
         ],
+        dtensors={
+            0: DTensorLayout((2,), ("Shard(dim=0)",)),
+            2: DTensorLayout((2,), ("Replicate()",)),
+        },
     )
 
 

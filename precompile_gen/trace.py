@@ -31,6 +31,7 @@ from precompile_gen import (
     convention,
     data_dependent,
     data_parallel,
+    dtensors,
     dynamic_dims,
     grad_resets,
     optimizers,
@@ -39,6 +40,7 @@ from precompile_gen import (
 from precompile_gen.capture_result import (
     AliasGroup,
     Backend,
+    DTensorLayout,
     InputLeaf,
     LeafValue,
     ModuleArgument,
@@ -111,6 +113,8 @@ class TracedGraph:
     optimizers: list[OptimizerArgument]
     state: ModuleState
     aliased_inputs: list[AliasGroup]
+    # The DTensor graph inputs' mesh shapes and placements, by position.
+    dtensors: dict[int, DTensorLayout]
     # Positions of the module state and input leaves fn updated in place.
     mutated_inputs: list[int]
     # The tensors fn created from Python data (torch.tensor(...)), by the name of the
@@ -184,6 +188,7 @@ def trace(
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
     fn_name = function_name(fn)
+    dtensors.check_capture(example_inputs, backend)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
@@ -231,6 +236,18 @@ def trace(
     )
     num_state, num_params = len(state.tensors), state.num_params
     aliased_inputs = aliasing.alias_groups([*state.tensors, *user_leaves])
+    dtensors.reject_aliasing(
+        aliased_inputs,
+        [*state.tensors, *user_leaves],
+        [
+            *(
+                f"the model's {name!r}"
+                for name in state.param_names + state.buffer_names
+            ),
+            *leaf_names,
+        ],
+    )
+    dtensor_layouts = dtensors.layouts([*state.tensors, *user_leaves])
     # The optimizers' state and lr tensors follow the input leaves.
     optimizer_state = [t for entry in lifted_optimizers for t in entry.state]
     lrs = optimizers.lr_tensors(lifted_optimizers)
@@ -307,6 +324,7 @@ def trace(
             _rnns_step_by_step(),
             python_state.refusing_python_rng(fn),
             data_parallel.functional_collectives(),
+            dtensors.refusing_conversions(fn_name),
         ):
             gm = make_fx(
                 flat_fn,
@@ -384,6 +402,7 @@ def trace(
         optimizers=optimizer_arguments,
         state=state,
         aliased_inputs=aliased_inputs,
+        dtensors=dtensor_layouts,
         mutated_inputs=mutated_inputs,
         constants=constants,
         grad_param_indices=harvest["grad_param_indices"],

@@ -40,6 +40,7 @@ def test_stubs_cover_every_template() -> None:
             "arguments",
             "convention",
             "module_state",
+            "dtensors",
             "aliasing",
             "layouts",
             "fast_path",

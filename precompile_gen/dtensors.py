@@ -1,0 +1,239 @@
+"""DTensor arguments: parameters, buffers and inputs sharded over a device mesh.
+
+A ``DTensor`` (what ``distribute_tensor`` and ``distribute_module`` make) is a
+wrapper: its global shape, dtype and device are the tensor's,
+its data is the local shard (``_local_tensor``), and its placements say how the
+global tensor is laid out over the mesh. make_fx records the ops a DTensor receives;
+the eager graph replays them on the call's DTensors, whose dispatch shards each op
+and issues the collectives it needs, as eager does. That replay is right for the
+sharding the trace saw, so the artifact records each DTensor input's mesh shape and
+placements (``DTENSORS``) and its driver holds every call to them.
+
+The wrapper itself has no storage: storages and data pointers, for aliasing and for
+the fast path, are read from the local shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from precompile_gen.capture_result import DTensorLayout
+from precompile_gen.errors import PrecompileError
+
+
+def _dtensor_class() -> type | None:
+    # No DTensor can exist before torch.distributed.tensor is imported, and importing
+    # it for every capture would cost time for nothing.
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(value: object) -> bool:
+    cls = _dtensor_class()
+    return cls is not None and isinstance(value, cls)
+
+
+def data(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``tensor``'s data: its local shard for a DTensor."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def layout(tensor: torch.Tensor) -> DTensorLayout:
+    dtensor: Any = tensor
+    return DTensorLayout(
+        tuple(dtensor.device_mesh.shape),
+        tuple(repr(placement) for placement in dtensor.placements),
+    )
+
+
+def layouts(flat_inputs: list[object]) -> dict[int, DTensorLayout]:
+    """Graph-input position -> mesh shape and placements, for the DTensors."""
+    return {
+        position: layout(value)  # type: ignore[arg-type]
+        for position, value in enumerate(flat_inputs)
+        if is_dtensor(value)
+    }
+
+
+def copy(
+    tensor: torch.Tensor, copy_local: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """A detached DTensor over a copy of ``tensor``'s local shard, on the same mesh
+    with the same placements, global shape and strides."""
+    from torch.distributed.tensor import DTensor
+
+    dtensor: Any = tensor
+    with torch.no_grad():
+        result = DTensor.from_local(
+            copy_local(dtensor._local_tensor),
+            dtensor.device_mesh,
+            dtensor.placements,
+            run_check=False,
+            shape=dtensor.shape,
+            stride=dtensor.stride(),
+        )
+    return result.requires_grad_(tensor.requires_grad)
+
+
+def check_capture(example_inputs: tuple[object, ...], backend: str) -> None:
+    """Refuse, before anything runs, what the artifact cannot reproduce: FSDP2
+    modules, and DTensors on the inductor backend."""
+    _reject_fully_sharded([a for a in example_inputs if isinstance(a, torch.nn.Module)])
+    if backend == "inductor" and holds_dtensors(example_inputs):
+        raise PrecompileError(
+            "the model or inputs hold DTensors (sharded over a device mesh), which "
+            "the inductor backend cannot compile here: the trace records the ops "
+            "each DTensor receives, and inductor compiles plain tensors, not the "
+            "sharding and collectives DTensor's dispatch adds to them. Capture with "
+            "backend='eager', which replays the ops on the call's DTensors."
+        )
+
+
+# DTensor's own conversions: each makes a DTensor, or a plain tensor, around a local
+# tensor outside the ops make_fx records, so the trace would see the result as a
+# tensor that existed before the call.
+_CONVERSIONS = ("from_local", "to_local", "redistribute", "full_tensor")
+
+
+@contextlib.contextmanager
+def refusing_conversions(fn_name: str) -> Generator[None]:
+    """While tracing, DTensor's conversions raise a PrecompileError saying why."""
+    cls = _dtensor_class()
+    if cls is None:
+        yield
+        return
+    originals = {name: cls.__dict__[name] for name in _CONVERSIONS}
+    for name in _CONVERSIONS:
+        refuse = _refuser(fn_name, name)
+        setattr(cls, name, staticmethod(refuse) if name == "from_local" else refuse)
+    cls.redistribute = _unless_unchanged(cls.__dict__["redistribute"])
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)
+
+
+def _refuser(fn_name: str, name: str) -> Callable[..., Any]:
+    def refuse(*args: object, **kwargs: object) -> Any:
+        line = _user_line()
+        where = f" (reached from {line})" if line else ""
+        raise PrecompileError(
+            f"{fn_name!r} calls DTensor.{name}(){where}, which capture does not "
+            "support yet: it converts between a DTensor and its local tensor outside "
+            "the tensor ops the trace records, so the graph could not repeat it. "
+            "Tensor parallelism's parallelize_module hooks (ColwiseParallel, "
+            "RowwiseParallel input and output layouts) call it too. Keep the "
+            "function on DTensor ops: pass the inputs as DTensors "
+            "(distribute_tensor), shard the parameters with distribute_module or "
+            "distribute_tensor, and convert the result (.full_tensor(), .to_local(), "
+            ".redistribute()) after the call."
+        )
+
+    return refuse
+
+
+def _unless_unchanged(refuse: Callable[..., Any]) -> Callable[..., Any]:
+    """``redistribute`` that returns the DTensor itself where it asks for the mesh and
+    placements it already has (tensor parallelism's hooks do, for inputs already
+    laid out as they want), which is the identity for values and gradients."""
+
+    def redistribute(
+        self: Any,
+        device_mesh: object = None,
+        placements: object = None,
+        **options: object,
+    ) -> Any:
+        if (
+            # async_op changes nothing where nothing moves; a dtype does.
+            options.get("forward_dtype") is None
+            and options.get("backward_dtype") is None
+            and (device_mesh is None or device_mesh == self.device_mesh)
+            and placements is not None
+            and _normalised(self, placements) == tuple(self.placements)
+        ):
+            return self
+        return refuse(self, device_mesh, placements, **options)
+
+    return redistribute
+
+
+def _normalised(dtensor: Any, placements: Any) -> tuple[object, ...]:
+    from torch.distributed.tensor import Shard
+
+    return tuple(
+        Shard(p.dim + dtensor.ndim) if type(p) is Shard and p.dim < 0 else p
+        for p in placements
+    )
+
+
+def _user_line() -> str | None:
+    # The innermost frame outside torch and this package: the user's call.
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+    return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+_LIBRARY_DIRS = tuple(
+    str(module.__file__).rsplit("/", 1)[0] + "/"
+    for module in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
+)
+
+
+def holds_dtensors(arguments: tuple[object, ...]) -> bool:
+    """Whether a module argument's parameters or buffers, or an input, is a DTensor."""
+    if _dtensor_class() is None:
+        return False
+    modules = [a for a in arguments if isinstance(a, torch.nn.Module)]
+    return any(
+        is_dtensor(t)
+        for t in [
+            *(t for m in modules for t in (*m.parameters(), *m.buffers())),
+            *pytree.tree_leaves(arguments),
+        ]
+    )
+
+
+def _reject_fully_sharded(modules: list[torch.nn.Module]) -> None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for index, module in enumerate(modules):
+        for name, sub in module.named_modules():
+            if isinstance(sub, fsdp.FSDPModule):
+                where = f"module argument {index}" + (f" at {name!r}" if name else "")
+                raise PrecompileError(
+                    f"{where} is sharded with fully_shard (FSDP2), which is not "
+                    "supported yet: its hooks all-gather the parameters before each "
+                    "forward and backward, free them after, and reduce-scatter the "
+                    "gradients, swapping the module's parameters between sharded "
+                    "DTensors and plain tensors outside the traced ops, so a trace "
+                    "would build one call's swaps in and the artifact could not "
+                    "hold the model to them. Capture a model whose parameters are "
+                    "DTensors (distribute_module / distribute_tensor, or tensor "
+                    "parallelism), or compile the FSDP2 model with torch.compile."
+                )
+
+
+def reject_aliasing(
+    groups: list[dict[int, Any]], flat: list[object], names: list[str]
+) -> None:
+    """Refuse DTensors that share a local storage with another input: the driver
+    holds calls to the aliasing of plain tensors only."""
+    for group in groups:
+        members = sorted(group)
+        if any(is_dtensor(flat[position]) for position in members):
+            shown = " and ".join(names[position] for position in members)
+            raise PrecompileError(
+                f"{shown} share one storage and at least one of them is a DTensor: "
+                "aliasing among DTensors (the same DTensor passed twice, or views "
+                "of one local shard) is not supported. Pass separate tensors "
+                "(.clone() one of them)."
+            )

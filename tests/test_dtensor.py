@@ -1,0 +1,447 @@
+"""DTensor parameters and inputs (what distribute_module, tensor parallelism and FSDP2
+make) on a real 2-rank gloo group: every rank captures its own shard with
+``precompile`` and runs the artifact against eager DTensor code.
+
+Spawning a group costs seconds, so one group runs every scenario (``_results``) and
+the tests read what each rank recorded.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_distributed import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import Placement
+
+import precompile_gen as pg
+from precompile_gen.distributed import precompile_once
+from precompile_gen.inspection import format_report, inspect_artifact
+
+WORLD_SIZE = 2
+SHARDED = Shard(0)
+REPLICATED = Replicate()
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def predict_replicated(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Already replicated: redistributing it to the same placements moves nothing.
+    dtensor = _dtensor(x)
+    return model(dtensor.redistribute(dtensor.device_mesh, [REPLICATED]))
+
+
+def predict_full(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _dtensor(model(x)).full_tensor()
+
+
+def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def step_on_two_inputs(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    return model(x) + model(y)
+
+
+def _plain_model() -> TwoLayer:
+    torch.manual_seed(0)
+    return TwoLayer()
+
+
+def _sharded_model(mesh: DeviceMesh, up: Placement = SHARDED) -> TwoLayer:
+    """``up``'s parameters with placement ``up``, ``down``'s replicated."""
+
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        placement = up if name == "up" else Replicate()
+        for key, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), mesh, [placement])
+            module.register_parameter(key, nn.Parameter(sharded))
+
+    model = _plain_model()
+    distribute_module(model, mesh, partition)
+    return model
+
+
+def _batch(mesh: DeviceMesh, seed: int, placement: Placement = REPLICATED) -> Any:
+    # The same global batch on every rank, as a replicated input must be.
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    return distribute_tensor(x, mesh, [placement])
+
+
+def _dtensor(tensor: torch.Tensor) -> DTensor:
+    assert isinstance(tensor, DTensor), type(tensor)
+    return tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return _dtensor(tensor).to_local()
+
+
+def _same_dtensor(got: object, want: object, what: str) -> None:
+    assert isinstance(got, DTensor) and isinstance(want, DTensor), what
+    assert got.placements == want.placements, what
+    torch.testing.assert_close(got.to_local(), want.to_local(), msg=what)
+    torch.testing.assert_close(got.full_tensor(), want.full_tensor(), msg=what)
+
+
+def _same_model(model: nn.Module, twin: nn.Module) -> None:
+    for (name, got), want in zip(
+        model.named_parameters(), twin.parameters(), strict=True
+    ):
+        _same_dtensor(got, want, name)
+        if want.grad is None:
+            assert got.grad is None, name
+        else:
+            _same_dtensor(got.grad, want.grad, f"grad of {name}")
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [
+        None if p.grad is None else _local(p.grad).clone() for p in model.parameters()
+    ]
+
+
+def _refusal(call: Callable[[], object], model: nn.Module | None = None) -> str:
+    """The PrecompileError ``call`` raised, after checking it left ``model``'s
+    parameters and gradients as they were."""
+    before = copy.deepcopy(model) if model is not None else None
+    grads = _grads(model) if model is not None else []
+    try:
+        call()
+    except pg.PrecompileError as error:
+        if model is not None and before is not None:
+            for got, want in zip(model.parameters(), before.parameters(), strict=True):
+                torch.testing.assert_close(_local(got), _local(want))
+            after = _grads(model)
+            for got, want in zip(after, grads, strict=True):
+                assert (got is None) == (want is None)
+                if got is not None and want is not None:
+                    torch.testing.assert_close(got, want)
+        return str(error)
+    raise AssertionError("no PrecompileError raised")
+
+
+def _counting_full_checks(forward: Callable[..., object]) -> list[int]:
+    # The driver looks module_state up in the artifact's namespace at each call.
+    namespace = forward.__globals__  # type: ignore[attr-defined]
+    calls: list[int] = []
+    walk = namespace["module_state"]
+
+    def counted(modules: list[nn.Module]) -> object:
+        calls.append(1)
+        return walk(modules)
+
+    namespace["module_state"] = counted
+    return calls
+
+
+# Scenarios: each runs on every rank, in the order below, and returns what the tests
+# check. Both ranks run the same collectives in the same order.
+
+
+def inference(mesh: DeviceMesh) -> dict[str, Any]:
+    model = _sharded_model(mesh)
+    code, cache = pg.precompile(predict, model, _batch(mesh, 0), backend="eager")
+    forward = pg.load(code, cache)
+    for seed in range(3):
+        x = _batch(mesh, seed)
+        _same_dtensor(forward(model, x), predict(model, x), f"output {seed}")
+    forward = pg.load(
+        *pg.precompile(predict_replicated, model, _batch(mesh, 0), backend="eager")
+    )
+    x = _batch(mesh, 5)
+    _same_dtensor(forward(model, x), predict_replicated(model, x), "redistributed")
+    return {
+        "dtensors": pg.parse_metadata(code)["DTENSORS"],
+        "inspected": format_report(inspect_artifact(code)),
+    }
+
+
+def training(mesh: DeviceMesh) -> dict[str, Any]:
+    model = _sharded_model(mesh)
+    twin = copy.deepcopy(model)
+    forward = pg.load(
+        *pg.precompile(train_step, model, _batch(mesh, 0), backend="eager")
+    )
+    # Capture traced copies: the example model has no gradient from it.
+    assert all(p.grad is None for p in model.parameters())
+    full_checks = _counting_full_checks(forward)
+    for seed in range(3):
+        x = _batch(mesh, seed)
+        _same_dtensor(forward(model, x), train_step(twin, x), f"loss {seed}")
+        _same_model(model, twin)
+    full_checks_then = len(full_checks)
+    refusals = {
+        "another placement": _refusal(
+            lambda: forward(_sharded_model(mesh, Replicate()), _batch(mesh, 0))
+        ),
+        "input sharded": _refusal(
+            lambda: forward(model, _batch(mesh, 0, Shard(0))), model
+        ),
+        "plain input": _refusal(
+            lambda: forward(model, _batch(mesh, 0).full_tensor()), model
+        ),
+    }
+    # The remembered model, one parameter redistributed: the fast path lets go of it.
+    replicated = _dtensor(model.up.weight.detach()).redistribute(mesh, [Replicate()])
+    model.up.weight = nn.Parameter(replicated)
+    refusals["parameter redistributed"] = _refusal(
+        lambda: forward(model, _batch(mesh, 0)), model
+    )
+    return {"full checks": full_checks_then, "refusals": refusals}
+
+
+def optimizer_training(mesh: DeviceMesh) -> dict[str, Any]:
+    model = _sharded_model(mesh)
+    twin = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    forward = pg.load(
+        *pg.precompile(
+            optimizer_step, model, optimizer, _batch(mesh, 0), backend="eager"
+        )
+    )
+    for seed in range(3):
+        x = _batch(mesh, seed)
+        _same_dtensor(
+            forward(model, optimizer, x),
+            optimizer_step(twin, twin_optimizer, x),
+            f"loss {seed}",
+        )
+        _same_model(model, twin)
+    first, twin_first = next(model.parameters()), next(twin.parameters())
+    state, expected = optimizer.state[first], twin_optimizer.state[twin_first]
+    for key in ("exp_avg", "exp_avg_sq"):
+        _same_dtensor(state[key], expected[key], key)
+    return {"steps": float(state["step"])}
+
+
+def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
+    x = _batch(mesh, 0)
+    plain_forward = pg.load(
+        *pg.precompile(predict, _plain_model(), x.full_tensor(), backend="eager")
+    )
+    sharded = _sharded_model(mesh)
+    fsdp = fully_shard(_plain_model(), mesh=mesh)
+    tensor_parallel = parallelize_module(
+        _plain_model(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    )
+    return {
+        "tensor parallel": _refusal(
+            lambda: pg.precompile(
+                train_step, tensor_parallel, x.full_tensor(), backend="eager"
+            )
+        ),
+        "full_tensor": _refusal(
+            lambda: pg.precompile(predict_full, sharded, x, backend="eager")
+        ),
+        "fsdp2": _refusal(
+            lambda: pg.precompile(train_step, fsdp, x.full_tensor(), backend="eager")
+        ),
+        "inductor": _refusal(
+            lambda: pg.precompile(train_step, sharded, x, backend="inductor")
+        ),
+        "aliasing": _refusal(
+            lambda: pg.precompile(step_on_two_inputs, sharded, x, x, backend="eager")
+        ),
+        "precompile_once": _refusal(
+            lambda: precompile_once(train_step, sharded, x, backend="eager")
+        ),
+        "dtensor model, plain capture": _refusal(
+            lambda: plain_forward(sharded, x.full_tensor()), sharded
+        ),
+    }
+
+
+SCENARIOS: list[Callable[[DeviceMesh], dict[str, Any]]] = [
+    inference,
+    training,
+    optimizer_training,
+    refused_captures,
+]
+
+
+def every_scenario(rank: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    results: dict[str, Any] = {}
+    for scenario in SCENARIOS:
+        try:
+            results[scenario.__name__] = scenario(mesh)
+        except Exception:
+            results[scenario.__name__] = {"failed": traceback.format_exc()}
+            dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = Path(tmp_path_factory.mktemp("dtensor"))
+    ranks = run_ranks(WORLD_SIZE, out, every_scenario, deadline_s=240)
+    assert all(rank is not None for rank in ranks), "a rank wrote no result"
+    return [rank for rank in ranks if rank is not None]
+
+
+def _scenario(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    for rank, result in enumerate(results):
+        assert "failed" not in result[name], f"rank {rank}: {result[name]['failed']}"
+    return [result[name] for result in results]
+
+
+def test_inference_matches_eager_on_every_rank(results: list[dict[str, Any]]) -> None:
+    for recorded in _scenario(results, "inference"):
+        # JSON keys are strings: positions 0-3 are the parameters, 4 the input.
+        assert recorded["dtensors"] == {
+            "0": [[2], ["Shard(dim=0)"]],
+            "1": [[2], ["Shard(dim=0)"]],
+            "2": [[2], ["Replicate()"]],
+            "3": [[2], ["Replicate()"]],
+            "4": [[2], ["Replicate()"]],
+        }
+        text = recorded["inspected"]
+        assert (
+            "DTensor input: 'up.weight', placements (Shard(dim=0)) on a mesh of "
+            "shape (2,)" in text
+        ), text
+        assert "DTensor input: argument 1, placements (Replicate())" in text, text
+
+
+def test_training_steps_match_eager_through_the_fast_path(
+    results: list[dict[str, Any]],
+) -> None:
+    for recorded in _scenario(results, "training"):
+        # Three calls, one full check: the other two took the fast path.
+        assert recorded["full checks"] == 1
+
+
+def test_optimizer_steps_match_eager(results: list[dict[str, Any]]) -> None:
+    for recorded in _scenario(results, "optimizer_training"):
+        assert recorded["steps"] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        (
+            "another placement",
+            [
+                "the model's 'up.weight' is a DTensor with placements (Replicate())",
+                "captured with placements (Shard(dim=0)) on a mesh of shape (2,)",
+                "Redistribute it as at capture",
+            ],
+        ),
+        (
+            "input sharded",
+            [
+                "argument 1 is a DTensor with placements (Shard(dim=0))",
+                "captured with placements (Replicate())",
+            ],
+        ),
+        (
+            "plain input",
+            ["argument 1 is a plain tensor", "Pass a DTensor sharded as at capture"],
+        ),
+        (
+            "parameter redistributed",
+            ["'up.weight' is a DTensor with placements (Replicate())"],
+        ),
+    ],
+)
+def test_a_call_with_other_sharding_is_refused(
+    results: list[dict[str, Any]], case: str, expected: list[str]
+) -> None:
+    for recorded in _scenario(results, "training"):
+        message = recorded["refusals"][case]
+        for part in expected:
+            assert part in message, message
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        (
+            "fsdp2",
+            [
+                "sharded with fully_shard (FSDP2), which is not supported yet",
+                "Capture a model whose parameters are DTensors",
+            ],
+        ),
+        ("inductor", ["inductor backend cannot compile", "backend='eager'"]),
+        (
+            "tensor parallel",
+            [
+                "'train_step' calls DTensor.from_local()",
+                "which capture does not support yet",
+                "parallelize_module hooks",
+            ],
+        ),
+        (
+            "full_tensor",
+            [
+                "'predict_full' calls DTensor.full_tensor() (reached from ",
+                "test_dtensor.py:",
+                "convert the result (.full_tensor(), .to_local(), .redistribute()) "
+                "after the call",
+            ],
+        ),
+        ("aliasing", ["aliasing among DTensors", ".clone() one of them"]),
+        ("precompile_once", ["Call precompile() on every rank"]),
+        (
+            "dtensor model, plain capture",
+            ["the model's 'up.weight' is a DTensor", "captured with a plain tensor"],
+        ),
+    ],
+)
+def test_what_is_not_supported_is_refused(
+    results: list[dict[str, Any]], case: str, expected: list[str]
+) -> None:
+    for recorded in _scenario(results, "refused_captures"):
+        message = recorded[case]
+        for part in expected:
+            assert part in message, message
