@@ -196,6 +196,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         # The int extras["scale"] is built into the graph: calls must pass 2.
         "USER_INPUT_VALUES": [None, None, 2],
         "ALIASED_INPUTS": [],
+        # Emitted only by a capture with DTensor inputs; its absence reads as none.
+        "DTENSORS": {},
         "KERNEL_BINARIES": {},
         "KERNEL_SOURCES": {},
         # The BatchNorm's values the trace read and built into the graph.
@@ -244,6 +246,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_SYMBOLS",
         "USER_INPUT_VALUES",
         "ALIASED_INPUTS",
+        "DTENSORS",
         "KERNEL_BINARIES",
         "KERNEL_SOURCES",
         "OPTIMIZERS",

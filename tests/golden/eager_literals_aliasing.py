@@ -291,7 +291,7 @@ def _split_arguments(
         signature = _LEAF_SIGNATURES[index]
         if (
             signature is None
-            or not isinstance(leaf, torch.Tensor)
+            or type(leaf) is not torch.Tensor
             or (leaf.shape, leaf.dtype, leaf.device) != signature
         ):
             _check_leaf(user_inputs, index, leaf)
@@ -329,6 +329,7 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
             f"the artifact was captured on {USER_INPUT_DEVICES[index]!r}. Move it with "
             f".to({USER_INPUT_DEVICES[index]!r}), or capture again on this device."
         )
+    _check_sharding(_leaf_name(user_inputs, index), _NUM_STATE + index, leaf)
 
 
 def _show_shape(shape: tuple[int | None, ...]) -> str:
@@ -423,13 +424,15 @@ def _check_module_state(
             "architecture (only weight values may differ), or capture again with "
             "this model."
         )
-    for name, tensor, shape, dtype, device, requires_grad in zip(
-        names,
-        tensors,
-        _STATE_SHAPES,
-        _STATE_DTYPES,
-        _STATE_DEVICES,
-        _STATE_REQUIRES_GRAD,
+    for position, (name, tensor, shape, dtype, device, requires_grad) in enumerate(
+        zip(
+            names,
+            tensors,
+            _STATE_SHAPES,
+            _STATE_DTYPES,
+            _STATE_DEVICES,
+            _STATE_REQUIRES_GRAD,
+        )
     ):
         if tuple(tensor.shape) != tuple(shape):
             _fail(
@@ -456,6 +459,7 @@ def _check_module_state(
                 "graph computes was fixed by it. Set it back with "
                 f".requires_grad_({requires_grad}), or capture again with this setting."
             )
+        _check_sharding(f"the model's {name!r}", position, tensor)
     for index, (module, traced_modes) in enumerate(zip(modules, MODULE_TRAINING)):
         if [m.training for m in module.modules()] != traced_modes:
             _fail(_describe_mode_difference(index, module, traced_modes))
@@ -563,6 +567,18 @@ def _describe_hook_difference(
 
 def _hook_count(count: int, kind: str) -> str:
     return f"{count or 'no'} {kind}{'' if count == 1 else 's'}"
+
+
+# --- DTensors ----------------------------------------------------------------------
+def _check_sharding(name: str, position: int, tensor: torch.Tensor) -> None:
+    # No DTensor exists unless torch.distributed.tensor was imported.
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(tensor, module.DTensor):
+        _fail(
+            f"{name} is a DTensor (sharded over a device mesh), but the artifact was "
+            "captured with a plain tensor there. Pass a plain tensor (.full_tensor() "
+            "gives the whole of it), or capture again with DTensors."
+        )
 
 
 # Inputs that shared a storage at capture: each member's position among the graph's
@@ -742,6 +758,7 @@ class _Remembered:
         self.versions = list(map(dict_version, self.dicts))
         self.state = state
         tensors = self.tensors = state.tensors
+        self.guarded = tensors
         self.data_ptrs = list(map(_DATA_PTR, tensors))
         self.tensor_guard = cast(Any, TensorGuards)(
             *tensors,
@@ -758,8 +775,8 @@ class _Remembered:
         return (
             RemovableHandle.next_id == self.next_handle_id
             and list(map(dict_version, self.dicts)) == self.versions
-            and bool(self.tensor_guard.check(*self.tensors))
-            and list(map(_DATA_PTR, self.tensors)) == self.data_ptrs
+            and bool(self.tensor_guard.check(*self.guarded))
+            and list(map(_DATA_PTR, self.guarded)) == self.data_ptrs
         )
 
 
