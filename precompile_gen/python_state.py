@@ -225,9 +225,9 @@ def _dynamo_pass(
 
     # A backend of this pass's own: Dynamo reuses a frame it compiled before (fn's
     # own, after a graph break in it) only for the same backend, and a reused frame
-    # would not pass through ``keep`` again.
-    # Collectives computed locally: the pass runs on one rank's copies, and must
-    # not wait for the others (precompile_once captures on one rank only).
+    # would not pass through ``keep`` again. It runs each graph with its collectives
+    # computed locally: the pass runs on one rank's copies, and must not wait for the
+    # other ranks (precompile_once captures on one rank only).
     def run_eagerly(gm: torch.fx.GraphModule, example_inputs: object) -> Any:
         return data_parallel.locally(gm)
 
