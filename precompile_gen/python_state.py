@@ -162,11 +162,17 @@ def _roots(fn: Callable[..., object], copies: tuple[object, ...]) -> set[int]:
     return roots
 
 
+class _Refusal(PrecompileError):
+    """A refusal of this module's: an effect, a Python or NumPy draw."""
+
+
 def _precompile_error_in(error: BaseException) -> PrecompileError | None:
-    # Dynamo wraps what is raised while it compiles a frame.
+    # Dynamo wraps what is raised while it compiles a frame. Only this module's
+    # refusals end the capture here: any other the trace raises again, with the
+    # caller's line, which a frame Dynamo inlined does not have.
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, PrecompileError):
+        if isinstance(seen, _Refusal):
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
@@ -416,7 +422,7 @@ def _effect_target(dynamo_name: str) -> str:
 
 def _refuse_effects(fn: object, effects: list[tuple[str, str]]) -> None:
     target, line = effects[0]
-    raise PrecompileError(
+    raise _Refusal(
         f"{_name(fn)!r} changes Python state that exists outside the call: it writes "
         f"{target} at {line}. The trace would make that write once, at capture, and "
         "the artifact never again, so a counter or a log kept this way would "
@@ -698,7 +704,7 @@ def _caller_line() -> str | None:
 
 def _rng_error(fn: object, generator: str, line: str | None) -> PrecompileError:
     where = f" at {line}" if line else ""
-    return PrecompileError(
+    return _Refusal(
         f"{_name(fn)!r} draws from {generator}{where}. The trace would draw once and "
         "build the number into the artifact, which would reuse it on every call. "
         "Draw with torch's generator instead (torch.rand, torch.distributions), which "
