@@ -69,8 +69,9 @@ def _where(filename: str, lineno: int, *, code: bool = True) -> str:
     return f"{filename}:{lineno}" + (f" ({line})" if line else "")
 
 
-def _caller(skip: int = 2, *, code: bool = True) -> str:
-    """The innermost frame of the user's code on the current stack."""
+def user_line(skip: int = 2, *, code: bool = True) -> str:
+    """The innermost frame of the user's code on the current stack, from the caller's
+    caller outward (``skip`` frames up from here)."""
     frame: types.FrameType | None = sys._getframe(skip)
     while frame is not None and is_library(frame.f_code.co_filename):
         frame = frame.f_back
@@ -150,7 +151,7 @@ class ItemValue:
     def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
         raise _refusal(
             f"{self.fn_name!r} computes with the Python number that .item() gave at "
-            f"{self.where}, at {_caller()}"
+            f"{self.where}, at {user_line()}"
         )
 
 
@@ -192,14 +193,14 @@ class _ValueReads(TorchFunctionMode):
             return func(*args, **kwargs)
         caller = sys._getframe(1).f_code.co_filename
         if func is torch.Tensor.item and not is_library(caller):
-            return ItemValue(args[0].detach(), _caller(), self.fn_name)
+            return ItemValue(args[0].detach(), user_line(), self.fn_name)
         if func is torch.Tensor.tolist:
             raise _refusal(
                 f"{self.fn_name!r} calls .tolist() on a tensor computed from its "
-                f"inputs at {_caller()}"
+                f"inputs at {user_line()}"
             )
         if func is torch.Tensor.__bool__ and caller.startswith(_DISTRIBUTIONS_DIR):
-            return _asserted_bool(args[0], _caller(code=False))
+            return _asserted_bool(args[0], user_line(code=False))
         return func(*args, **kwargs)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from precompile_gen import data_dependent
 from precompile_gen.capture_result import DTensorLayout
 from precompile_gen.errors import PrecompileError
 
@@ -122,10 +123,9 @@ def refusing_conversions(fn_name: str) -> Generator[None]:
 
 def _refuser(fn_name: str, name: str) -> Callable[..., Any]:
     def refuse(*args: object, **kwargs: object) -> Any:
-        line = _user_line()
-        where = f" (reached from {line})" if line else ""
         raise PrecompileError(
-            f"{fn_name!r} calls DTensor.{name}(){where}, which capture does not "
+            f"{fn_name!r} calls DTensor.{name}() (reached from "
+            f"{data_dependent.user_line(code=False)}), which capture does not "
             "support yet: it converts between a DTensor and its local tensor outside "
             "the tensor ops the trace records, so the graph could not repeat it. "
             "Tensor parallelism's parallelize_module hooks (ColwiseParallel, "
@@ -171,20 +171,6 @@ def _normalised(dtensor: Any, placements: Any) -> tuple[object, ...]:
         Shard(p.dim + dtensor.ndim) if type(p) is Shard and p.dim < 0 else p
         for p in placements
     )
-
-
-def _user_line() -> str | None:
-    # The innermost frame outside torch and this package: the user's call.
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame = frame.f_back
-    return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-
-_LIBRARY_DIRS = tuple(
-    str(module.__file__).rsplit("/", 1)[0] + "/"
-    for module in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
-)
 
 
 def holds_dtensors(arguments: tuple[object, ...]) -> bool:

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import torch
 
-from precompile_gen import data_parallel
+from precompile_gen import data_dependent, data_parallel
 from precompile_gen.capture_result import PythonValue
 from precompile_gen.errors import PrecompileError
 
@@ -690,16 +690,9 @@ def _refuser(fn: object, label: str) -> Callable[..., object]:
     # Run, not traced, by the Dynamo pass: it reads the caller's frame.
     @torch._dynamo.disable
     def refuse(*args: object, **kwargs: object) -> object:
-        raise _rng_error(fn, label, _caller_line())
+        raise _rng_error(fn, label, data_dependent.user_line(code=False))
 
     return refuse
-
-
-def _caller_line() -> str | None:
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_FILES):
-        frame = frame.f_back
-    return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _rng_error(fn: object, generator: str, line: str | None) -> PrecompileError:
