@@ -65,9 +65,12 @@ _LIBRARY_FILES = tuple(
 class _Reads:
     """What the Dynamo pass saw, frame by frame."""
 
-    # The ids of the objects that existed before the call (the copies of the
-    # arguments, their submodules, and what the function's closure and globals
-    # hold): writing to one, or to anything reached through one, is an effect.
+    # Each argument and submodule of a module argument, by id, with its position
+    # and accessor path: where the values read through it are said to come from.
+    paths: dict[int, tuple[int, str]]
+    # The ids of the objects that existed before the call (those, and what the
+    # function's closure holds): writing to one, or to anything reached through one,
+    # is an effect.
     roots: set[int]
     values: dict[str, PythonValue] = field(default_factory=dict)
     # Paths of values kept by the artifact that no call can check (fn's own closure).
@@ -86,7 +89,8 @@ def observe(
     except Exception as error:
         _warn_unrecorded(fn, f"its arguments cannot be deep-copied ({error})")
         return []
-    reads = _Reads(roots=_roots(copied_fn, copies))
+    paths = _argument_paths(copies)
+    reads = _Reads(paths=paths, roots=_roots(copied_fn, paths))
     try:
         with _dynamo_pass(reads, fn, copied_fn, copies) as compiled:
             compiled(*copies)
@@ -150,12 +154,10 @@ def _copy_or_share(value: object, memo: dict[int, object]) -> object:
         return value
 
 
-def _roots(fn: Callable[..., object], copies: tuple[object, ...]) -> set[int]:
-    roots = {id(fn), *map(id, copies)}
-    for value in [
-        *copies,
-        *(c.cell_contents for c in getattr(fn, "__closure__", None) or ()),
-    ]:
+def _roots(fn: Callable[..., object], paths: dict[int, tuple[int, str]]) -> set[int]:
+    roots = {id(fn), *paths}
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
         roots.add(id(value))
         if isinstance(value, torch.nn.Module):
             roots.update(map(id, value.modules()))
@@ -215,7 +217,7 @@ def _dynamo_pass(
     def keep(entries: Sequence[Any]) -> list[bool]:
         if reads.effects:
             _refuse_effects(fn, reads.effects)
-        _record(reads, entries, frame["globals"], copied_fn, copies)
+        _record(reads, entries, frame["globals"], copied_fn)
         return [True] * len(entries)
 
     store_attr = side_effects.SideEffects.store_attr
@@ -442,12 +444,10 @@ def _record(
     entries: Sequence[Any],
     frame_globals: dict[str, object],
     fn: Callable[..., object],
-    copies: tuple[object, ...],
 ) -> None:
     values_by_name = {
         e.orig_guard.originating_source.name: e.value for e in entries if e.has_value
     }
-    roots = _argument_roots(copies)
     for entry in entries:
         if not entry.has_value or not _is_plain_guard(entry):
             continue
@@ -456,7 +456,7 @@ def _record(
         if base is not None and isinstance(values_by_name.get(base.name), torch.Tensor):
             continue  # a tensor's .grad or flags: the tensor checks' business
         try:
-            path = _path(source, values_by_name, roots, frame_globals, fn)
+            path = _path(source, values_by_name, reads.paths, frame_globals, fn)
         except _Unresolved:
             continue
         if path is None:
@@ -472,21 +472,21 @@ def _is_plain_guard(entry: Any) -> bool:
     return entry.guard_type == "ID_MATCH" and isinstance(entry.value, enum.Enum)
 
 
-def _argument_roots(copies: tuple[object, ...]) -> dict[int, tuple[int, str]]:
-    """By identity: each module argument, its submodules and the plain objects
-    they hold (a config), and each optimizer argument, with (position, accessor
-    path from the argument)."""
-    roots: dict[int, tuple[int, str]] = {}
+def _argument_paths(copies: tuple[object, ...]) -> dict[int, tuple[int, str]]:
+    """By identity: each argument, and each submodule of a module argument, with
+    (position, accessor path from the argument); an optimizer's path is
+    "<optimizer>", since its values are the optimizer checks' business."""
+    paths: dict[int, tuple[int, str]] = {}
     for position, argument in enumerate(copies):
         if isinstance(argument, torch.optim.Optimizer):
-            roots[id(argument)] = (position, "<optimizer>")
+            paths[id(argument)] = (position, "<optimizer>")
         if not isinstance(argument, torch.nn.Module):
-            roots.setdefault(id(argument), (position, ""))
+            paths.setdefault(id(argument), (position, ""))
             continue
         for name, module in argument.named_modules(remove_duplicate=False):
             prefix = "".join(f".{part}" for part in name.split(".") if part)
-            roots.setdefault(id(module), (position, prefix))
-    return roots
+            paths.setdefault(id(module), (position, prefix))
+    return paths
 
 
 def _path(
