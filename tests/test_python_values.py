@@ -8,6 +8,7 @@ import enum
 import logging
 import random
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, cast
@@ -421,3 +422,51 @@ def test_a_string_value_is_checked() -> None:
         loaded(model, x)
     model.activation = "relu"
     torch.testing.assert_close(loaded(model, x), model(x))
+
+
+def test_a_value_gone_from_the_model_is_rejected(loaded: Callable[..., object]) -> None:
+    model, x = Scaled(), example()
+    loaded(model, x)
+    del model.temperature
+    with pytest.raises(pg.PrecompileError) as error:
+        loaded(model, x)
+    assert "at argument 0: .temperature is missing in this call" in str(error.value)
+    assert "Set it back to 1.0" in str(error.value)
+
+
+_draw = random.random  # bound before capture: no refusal at the call, only after it
+
+
+def jitter_with_an_alias(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x) * _draw()
+
+
+def test_a_draw_through_an_alias_is_refused_and_the_state_kept() -> None:
+    python_state = random.getstate()
+    with pytest.raises(pg.PrecompileError) as error:
+        pg.capture(jitter_with_an_alias, nn.Linear(4, 4), example(), backend="eager")
+    assert "draws from Python's random module or NumPy's global generator" in str(
+        error.value
+    )
+    assert "pass the value in" in str(error.value)
+    assert random.getstate() == python_state
+
+
+class Locked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lock = threading.Lock()  # cannot be deep-copied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_arguments_that_cannot_be_copied_are_named_in_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, x = Locked(), example()
+    with caplog.at_level(logging.WARNING):
+        code, cache = pg.precompile(lambda m, x: m(x), model, x, backend="eager")
+    assert "could not be recorded" in caplog.text and "deep-copied" in caplog.text
+    torch.testing.assert_close(pg.load(code, cache)(model, x), model(x))
