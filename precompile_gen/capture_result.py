@@ -75,6 +75,8 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_VALUES",
     "ALIASED_INPUTS",
     "DTENSORS",
+    "SHARD_INPUTS",
+    "SHARD_OUTPUTS",
     "KERNEL_BINARIES",
     "KERNEL_SOURCES",
     "OPTIMIZERS",
@@ -90,6 +92,8 @@ OPTIONAL_METADATA: dict[str, object] = {
     "PROCESS_GROUPS": [],
     "DATA_PARALLEL": [],
     "DTENSORS": {},
+    "SHARD_INPUTS": {},
+    "SHARD_OUTPUTS": {},
 }
 
 
@@ -158,6 +162,24 @@ class DTensorLayout(NamedTuple):
     mesh_shape: tuple[int, ...]
     # Each mesh dim's placement, as its repr ("Shard(dim=0)", "Replicate()").
     placements: tuple[str, ...]
+
+
+class ShardInput(NamedTuple):
+    """A DTensor graph input whose local shard the compiled graph takes (inductor):
+    the local ops and collectives it runs are those of this sharding."""
+
+    # The process group of each mesh dim, by name: the graph's collectives use them.
+    mesh_groups: tuple[str, ...]
+    placements: tuple[str, ...]
+
+
+class ShardOutput(NamedTuple):
+    """A DTensor result whose local shard the compiled graph returns (inductor): the
+    driver wraps it in a DTensor with this global layout on the call's mesh."""
+
+    placements: tuple[str, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
 
 
 class StateTensor(NamedTuple):
@@ -302,6 +324,11 @@ class CaptureResult:
     # leaves), with their mesh shape and placements: the driver holds each call to
     # them, and every other position to a plain tensor.
     dtensors: dict[int, DTensorLayout] = field(default_factory=dict)
+    # With DTensors on the inductor backend, the compiled graph computes on local
+    # shards: the DTensor inputs it takes the shards of, by graph-input position, and
+    # the DTensor results it returns the shards of, by graph-output position.
+    shard_inputs: dict[int, ShardInput] = field(default_factory=dict)
+    shard_outputs: dict[int, ShardOutput] = field(default_factory=dict)
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:
@@ -343,6 +370,12 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "ALIASED_INPUTS": cap.aliased_inputs,
         "DTENSORS": {
             position: tuple(layout) for position, layout in cap.dtensors.items()
+        },
+        "SHARD_INPUTS": {
+            position: tuple(shard) for position, shard in cap.shard_inputs.items()
+        },
+        "SHARD_OUTPUTS": {
+            position: tuple(shard) for position, shard in cap.shard_outputs.items()
         },
         "KERNEL_BINARIES": cap.kernel_binaries,
         "KERNEL_SOURCES": cap.kernel_sources,

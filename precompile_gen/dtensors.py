@@ -11,6 +11,13 @@ placements (``DTENSORS``) and its driver holds every call to them.
 
 The wrapper itself has no storage: storages and data pointers, for aliasing and for
 the fast path, are read from the local shard.
+
+Inductor compiles plain tensors, so for the inductor backend ``to_local_graph``
+traces that graph once more on the local shards: each DTensor op then records the
+local ops and functional collectives its dispatch issues. The compiled graph takes
+the inputs' local shards (``SHARD_INPUTS`` records the sharding it computes for) and
+returns the local shards of the DTensor results, which the driver wraps again
+(``SHARD_OUTPUTS``).
 """
 
 from __future__ import annotations
@@ -18,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from precompile_gen import data_dependent
-from precompile_gen.capture_result import DTensorLayout
+from precompile_gen.capture_result import DTensorLayout, ShardInput, ShardOutput
 from precompile_gen.errors import PrecompileError
 
 
@@ -82,17 +90,103 @@ def copy(
     return result.requires_grad_(tensor.requires_grad)
 
 
-def check_capture(example_inputs: tuple[object, ...], backend: str) -> None:
+def check_capture(example_inputs: tuple[object, ...]) -> None:
     """Refuse, before anything runs, what the artifact cannot reproduce: FSDP2
-    modules, and DTensors on the inductor backend."""
+    modules."""
     _reject_fully_sharded([a for a in example_inputs if isinstance(a, torch.nn.Module)])
-    if backend == "inductor" and holds_dtensors(example_inputs):
+
+
+class LocalGraph(NamedTuple):
+    """A graph over DTensors traced again over their local shards."""
+
+    gm: torch.fx.GraphModule
+    flat_args: list[object]
+    inputs: dict[int, ShardInput]
+    outputs: dict[int, ShardOutput]
+
+
+# The placements a driver can rebuild from their repr, without torch's private types.
+_PLACEMENTS = ("Shard", "Replicate", "Partial")
+
+
+def to_local_graph(
+    gm: torch.fx.GraphModule,
+    flat_args: list[object],
+    decompositions: dict[Any, Callable[..., Any]] | None,
+) -> LocalGraph:
+    """``gm`` traced on the local shards of its DTensor inputs: DTensor's dispatch
+    runs under the trace and records the local ops and collectives it issues."""
+    from torch.distributed.tensor import DTensor
+
+    specs = {i: a._spec for i, a in enumerate(flat_args) if is_dtensor(a)}  # type: ignore[attr-defined]
+    _reject_mixed_meshes(specs)
+    outputs: dict[int, ShardOutput] = {}
+
+    def local_fn(local_args: list[Any]) -> list[object]:
+        # Wrappers the trace does not track: the tracer hands their ops to DTensor,
+        # which sends the ops on the local shards back to it.
+        wrapped = [
+            DTensor(arg, specs[i], requires_grad=False) if i in specs else arg
+            for i, arg in enumerate(local_args)
+        ]
+        results = []
+        for position, result in enumerate(gm(wrapped)):
+            if is_dtensor(result):
+                outputs[position] = _shard_output(result)
+                result = result._local_tensor  # type: ignore[attr-defined]
+            results.append(result)
+        return results
+
+    local_args = [data(a) if i in specs else a for i, a in enumerate(flat_args)]  # type: ignore[arg-type]
+    with torch.no_grad():
+        local_gm = make_fx(local_fn, decomposition_table=decompositions)(
+            [a.detach() if isinstance(a, torch.Tensor) else a for a in local_args]
+        )
+    return LocalGraph(
+        local_gm,
+        local_args,
+        {
+            i: ShardInput(_mesh_groups(spec.mesh), _placement_reprs(spec.placements))
+            for i, spec in specs.items()
+        },
+        outputs,
+    )
+
+
+def _shard_output(dtensor: Any) -> ShardOutput:
+    for placement in dtensor.placements:
+        if type(placement).__name__ not in _PLACEMENTS:
+            raise PrecompileError(
+                f"the function returns a DTensor with placement {placement!r}, which "
+                "the inductor backend's driver cannot rebuild (it rebuilds Shard, "
+                "Replicate and Partial). Return it redistributed to one of those "
+                "after the call, or capture with backend='eager'."
+            )
+    return ShardOutput(
+        _placement_reprs(dtensor.placements),
+        tuple(dtensor.shape),
+        tuple(dtensor.stride()),
+    )
+
+
+def _placement_reprs(placements: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple(repr(placement) for placement in placements)
+
+
+def _mesh_groups(mesh: Any) -> tuple[str, ...]:
+    """The process group of each mesh dim, by name: the compiled graph's
+    collectives run on these."""
+    return tuple(str(mesh.get_group(dim).group_name) for dim in range(mesh.ndim))
+
+
+def _reject_mixed_meshes(specs: dict[int, Any]) -> None:
+    meshes = {_mesh_groups(spec.mesh) for spec in specs.values()}
+    if len(meshes) > 1:
         raise PrecompileError(
-            "the model or inputs hold DTensors (sharded over a device mesh), which "
-            "the inductor backend cannot compile here: the trace records the ops "
-            "each DTensor receives, and inductor compiles plain tensors, not the "
-            "sharding and collectives DTensor's dispatch adds to them. Capture with "
-            "backend='eager', which replays the ops on the call's DTensors."
+            "the model and inputs hold DTensors on more than one device mesh "
+            f"(process groups {sorted(meshes)}), which the inductor backend does not "
+            "support yet: the driver rebuilds the DTensor results on the mesh of the "
+            "call's DTensors. Put them on one mesh, or capture with backend='eager'."
         )
 
 

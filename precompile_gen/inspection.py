@@ -139,6 +139,12 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
                 for leaf in cast(list[dict[str, str]], user_inputs["leaves"])
             ],
         ),
+        # With DTensors on inductor: how many DTensor inputs and results the compiled
+        # graph takes and returns as local shards.
+        "local_shards": [
+            len(cast(dict[int, object], metadata.get("SHARD_INPUTS") or {})),
+            len(cast(dict[int, object], metadata.get("SHARD_OUTPUTS") or {})),
+        ],
         "output": _output(metadata),
         "graph": _graph(section_statements(module, graph), metadata),
         "kernel_binaries": _pinned_binaries(metadata),
@@ -304,6 +310,12 @@ def format_report(report: dict[str, Any]) -> str:
         out.append(
             f"DTensor input: {name}, placements ({', '.join(placements)}) on a mesh "
             f"of shape {tuple(mesh_shape)}"
+        )
+    shard_inputs, shard_outputs = report["local_shards"]
+    if shard_inputs:
+        out.append(
+            f"local shards: the compiled graph takes {shard_inputs} DTensor inputs' "
+            f"local shards and returns {shard_outputs} DTensor results' (as traced)"
         )
     if report["dtensors"]:
         out.append("")

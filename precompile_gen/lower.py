@@ -105,6 +105,8 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         process_groups=traced.process_groups,
         data_parallel=traced.data_parallel,
         dtensors=traced.dtensors,
+        shard_inputs=traced.shard_inputs,
+        shard_outputs=traced.shard_outputs,
         graph=CompiledGraph(
             source=graph_source,
             tensor_literals=[

@@ -244,6 +244,9 @@ class DriverFeatures:
     data_parallel: bool
     # DTensor graph inputs, whose mesh shapes and placements the driver checks.
     dtensors: bool = False
+    # The compiled graph takes DTensor inputs' local shards and returns its DTensor
+    # results' (inductor), which the driver unwraps and wraps.
+    local_shards: bool = False
 
     @property
     def layouts(self) -> bool:
@@ -302,6 +305,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         process_groups=bool(cap.process_groups),
         data_parallel=bool(cap.data_parallel),
         dtensors=bool(cap.dtensors),
+        local_shards=bool(cap.shard_inputs),
     )
 
 

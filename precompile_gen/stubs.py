@@ -25,6 +25,8 @@ from precompile_gen.capture_result import (
     OptimizerStateTensor,
     ParamGroup,
     PythonValue,
+    ShardInput,
+    ShardOutput,
     StateTensor,
     TensorLiteral,
 )
@@ -207,6 +209,16 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             0: DTensorLayout((2,), ("Shard(dim=0)",)),
             2: DTensorLayout((2,), ("Replicate()",)),
         },
+        # The eager backend replays DTensor ops; only inductor computes on shards.
+        shard_inputs={}
+        if backend == "eager"
+        else {
+            0: ShardInput(("0",), ("Shard(dim=0)",)),
+            2: ShardInput(("0",), ("Replicate()",)),
+        },
+        shard_outputs={}
+        if backend == "eager"
+        else {0: ShardOutput(("Partial(sum)",), (2, 4), (4, 1))},
     )
 
 

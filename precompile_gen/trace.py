@@ -47,6 +47,8 @@ from precompile_gen.capture_result import (
     OptimizerArgument,
     PythonValue,
     Shape,
+    ShardInput,
+    ShardOutput,
     check_backend,
 )
 from precompile_gen.errors import (
@@ -115,6 +117,10 @@ class TracedGraph:
     aliased_inputs: list[AliasGroup]
     # The DTensor graph inputs' mesh shapes and placements, by position.
     dtensors: dict[int, DTensorLayout]
+    # With DTensors on the inductor backend: the shardings the graph, traced again
+    # on local shards, takes and returns (``dtensors.to_local_graph``).
+    shard_inputs: dict[int, ShardInput]
+    shard_outputs: dict[int, ShardOutput]
     # Positions of the module state and input leaves fn updated in place.
     mutated_inputs: list[int]
     # The tensors fn created from Python data (torch.tensor(...)), by the name of the
@@ -188,7 +194,7 @@ def trace(
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
     fn_name = function_name(fn)
-    dtensors.check_capture(example_inputs, backend)
+    dtensors.check_capture(example_inputs)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
@@ -380,6 +386,16 @@ def trace(
     _reject_control_flow(gm)
     _drop_profiler_ranges(gm)
     _reject_effectful_ops(gm)
+    local = None
+    if backend == "inductor" and any(dtensors.is_dtensor(a) for a in flat_args):
+        if symbolic is not None:
+            raise PrecompileError(
+                "mark_unbacked dims and DTensors cannot be captured together on the "
+                "inductor backend yet. Leave the dims static, or capture with "
+                "backend='eager'."
+            )
+        local = dtensors.to_local_graph(gm, flat_args, decompositions)
+        gm, flat_args = local.gm, local.flat_args
     return TracedGraph(
         process_groups=data_parallel.process_groups(gm, modules),
         data_parallel=[
@@ -403,6 +419,8 @@ def trace(
         state=state,
         aliased_inputs=aliased_inputs,
         dtensors=dtensor_layouts,
+        shard_inputs={} if local is None else local.inputs,
+        shard_outputs={} if local is None else local.outputs,
         mutated_inputs=mutated_inputs,
         constants=constants,
         grad_param_indices=harvest["grad_param_indices"],

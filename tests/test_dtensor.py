@@ -9,6 +9,7 @@ the tests read what each rank recorded.
 from __future__ import annotations
 
 import copy
+import functools
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -186,29 +187,39 @@ def _counting_full_checks(forward: Callable[..., object]) -> list[int]:
 # check. Both ranks run the same collectives in the same order.
 
 
-def inference(mesh: DeviceMesh) -> dict[str, Any]:
+def inference(mesh: DeviceMesh, backend: str) -> dict[str, Any]:
     model = _sharded_model(mesh)
-    code, cache = pg.precompile(predict, model, _batch(mesh, 0), backend="eager")
+    code, cache = pg.precompile(predict, model, _batch(mesh, 0), backend=backend)
     forward = pg.load(code, cache)
     for seed in range(3):
         x = _batch(mesh, seed)
         _same_dtensor(forward(model, x), predict(model, x), f"output {seed}")
+    metadata = pg.parse_metadata(code)
+    if backend == "inductor":
+        # One compile per backend is enough for the checks below.
+        return {
+            **{
+                key: metadata[key]
+                for key in ("DTENSORS", "SHARD_OUTPUTS", "PROCESS_GROUPS")
+            },
+            "inspected": format_report(inspect_artifact(code)),
+        }
     forward = pg.load(
         *pg.precompile(predict_replicated, model, _batch(mesh, 0), backend="eager")
     )
     x = _batch(mesh, 5)
     _same_dtensor(forward(model, x), predict_replicated(model, x), "redistributed")
     return {
-        "dtensors": pg.parse_metadata(code)["DTENSORS"],
+        "DTENSORS": metadata["DTENSORS"],
         "inspected": format_report(inspect_artifact(code)),
     }
 
 
-def training(mesh: DeviceMesh) -> dict[str, Any]:
+def training(mesh: DeviceMesh, backend: str) -> dict[str, Any]:
     model = _sharded_model(mesh)
     twin = copy.deepcopy(model)
     forward = pg.load(
-        *pg.precompile(train_step, model, _batch(mesh, 0), backend="eager")
+        *pg.precompile(train_step, model, _batch(mesh, 0), backend=backend)
     )
     # Capture traced copies: the example model has no gradient from it.
     assert all(p.grad is None for p in model.parameters())
@@ -238,16 +249,15 @@ def training(mesh: DeviceMesh) -> dict[str, Any]:
     return {"full checks": full_checks_then, "refusals": refusals}
 
 
-def optimizer_training(mesh: DeviceMesh) -> dict[str, Any]:
+def optimizer_training(mesh: DeviceMesh, backend: str) -> dict[str, Any]:
     model = _sharded_model(mesh)
     twin = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.01)
-    forward = pg.load(
-        *pg.precompile(
-            optimizer_step, model, optimizer, _batch(mesh, 0), backend="eager"
-        )
+    code, cache = pg.precompile(
+        optimizer_step, model, optimizer, _batch(mesh, 0), backend=backend
     )
+    forward = pg.load(code, cache)
     for seed in range(3):
         x = _batch(mesh, seed)
         _same_dtensor(
@@ -260,7 +270,17 @@ def optimizer_training(mesh: DeviceMesh) -> dict[str, Any]:
     state, expected = optimizer.state[first], twin_optimizer.state[twin_first]
     for key in ("exp_avg", "exp_avg_sq"):
         _same_dtensor(state[key], expected[key], key)
-    return {"steps": float(state["step"])}
+    recorded: dict[str, Any] = {"steps": float(state["step"])}
+    if backend == "inductor":
+        metadata = pg.parse_metadata(code)
+        recorded["shard inputs"] = metadata["SHARD_INPUTS"]
+        recorded["process groups"] = metadata["PROCESS_GROUPS"]
+        # The optimizer's state is checked where the graph takes its local shard.
+        state["exp_avg"] = _dtensor(state["exp_avg"]).redistribute(mesh, [REPLICATED])
+        recorded["state resharded"] = _refusal(
+            lambda: forward(model, optimizer, _batch(mesh, 0)), model
+        )
+    return recorded
 
 
 def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
@@ -285,9 +305,6 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
         "fsdp2": _refusal(
             lambda: pg.precompile(train_step, fsdp, x.full_tensor(), backend="eager")
         ),
-        "inductor": _refusal(
-            lambda: pg.precompile(train_step, sharded, x, backend="inductor")
-        ),
         "aliasing": _refusal(
             lambda: pg.precompile(step_on_two_inputs, sharded, x, x, backend="eager")
         ),
@@ -300,22 +317,25 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
     }
 
 
-SCENARIOS: list[Callable[[DeviceMesh], dict[str, Any]]] = [
-    inference,
-    training,
-    optimizer_training,
-    refused_captures,
-]
+BACKENDS = ("eager", "inductor")
+SCENARIOS: dict[str, Callable[[DeviceMesh], dict[str, Any]]] = {
+    **{
+        f"{scenario.__name__} {backend}": functools.partial(scenario, backend=backend)
+        for scenario in (inference, training, optimizer_training)
+        for backend in BACKENDS
+    },
+    "refused_captures": refused_captures,
+}
 
 
 def every_scenario(rank: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     results: dict[str, Any] = {}
-    for scenario in SCENARIOS:
+    for name, scenario in SCENARIOS.items():
         try:
-            results[scenario.__name__] = scenario(mesh)
+            results[name] = scenario(mesh)
         except Exception:
-            results[scenario.__name__] = {"failed": traceback.format_exc()}
+            results[name] = {"failed": traceback.format_exc()}
             dist.barrier()
     return results
 
@@ -323,7 +343,7 @@ def every_scenario(rank: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = Path(tmp_path_factory.mktemp("dtensor"))
-    ranks = run_ranks(WORLD_SIZE, out, every_scenario, deadline_s=240)
+    ranks = run_ranks(WORLD_SIZE, out, every_scenario, deadline_s=480)
     assert all(rank is not None for rank in ranks), "a rank wrote no result"
     return [rank for rank in ranks if rank is not None]
 
@@ -334,16 +354,32 @@ def _scenario(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [result[name] for result in results]
 
 
-def test_inference_matches_eager_on_every_rank(results: list[dict[str, Any]]) -> None:
-    for recorded in _scenario(results, "inference"):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inference_matches_eager_on_every_rank(
+    results: list[dict[str, Any]], backend: str
+) -> None:
+    for recorded in _scenario(results, f"inference {backend}"):
         # JSON keys are strings: positions 0-3 are the parameters, 4 the input.
-        assert recorded["dtensors"] == {
+        assert recorded["DTENSORS"] == {
             "0": [[2], ["Shard(dim=0)"]],
             "1": [[2], ["Shard(dim=0)"]],
             "2": [[2], ["Replicate()"]],
             "3": [[2], ["Replicate()"]],
             "4": [[2], ["Replicate()"]],
         }
+        if backend == "inductor":
+            # The graph returns the local shard of the one result, a partial sum
+            # (the row-sharded layer's), as eager's is.
+            assert recorded["SHARD_OUTPUTS"] == {
+                "0": [["Partial(sum)"], [3, 4], [4, 1]]
+            }
+            # Nothing is reduced: the result stays a partial sum, as eager's.
+            assert recorded["PROCESS_GROUPS"] == []
+            assert (
+                "local shards: the compiled graph takes 5 DTensor inputs' local "
+                "shards and returns 1 DTensor results'" in recorded["inspected"]
+            ), recorded["inspected"]
+            continue
         text = recorded["inspected"]
         assert (
             "DTensor input: 'up.weight', placements (Shard(dim=0)) on a mesh of "
@@ -352,17 +388,45 @@ def test_inference_matches_eager_on_every_rank(results: list[dict[str, Any]]) ->
         assert "DTensor input: argument 1, placements (Replicate())" in text, text
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_training_steps_match_eager_through_the_fast_path(
-    results: list[dict[str, Any]],
+    results: list[dict[str, Any]], backend: str
 ) -> None:
-    for recorded in _scenario(results, "training"):
+    for recorded in _scenario(results, f"training {backend}"):
         # Three calls, one full check: the other two took the fast path.
         assert recorded["full checks"] == 1
 
 
-def test_optimizer_steps_match_eager(results: list[dict[str, Any]]) -> None:
-    for recorded in _scenario(results, "optimizer_training"):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_optimizer_steps_match_eager(
+    results: list[dict[str, Any]], backend: str
+) -> None:
+    for recorded in _scenario(results, f"optimizer_training {backend}"):
         assert recorded["steps"] == 3.0
+
+
+def test_the_compiled_graph_takes_local_shards_of_the_captured_sharding(
+    results: list[dict[str, Any]],
+) -> None:
+    for recorded in _scenario(results, "optimizer_training inductor"):
+        shards = recorded["shard inputs"]
+        # The parameters, then AdamW's state of each (step, exp_avg, exp_avg_sq),
+        # all on the default group's mesh; the input leaf too.
+        assert shards["0"] == [["0"], ["Shard(dim=0)"]], shards
+        assert shards["2"] == [["0"], ["Replicate()"]], shards
+        assert len(shards) > 5, shards
+        # The backward's all-reduces run on the default group: each call must
+        # bring it.
+        assert recorded["process groups"] == [
+            {"name": "0", "backend": "gloo", "ranks": [0, 1]}
+        ], recorded["process groups"]
+        message = recorded["state resharded"]
+        for part in [
+            "an optimizer's state tensor is a DTensor with placements (Replicate())",
+            "compiled for placements (Shard(dim=0))",
+            "Shard it as at capture",
+        ]:
+            assert part in message, message
 
 
 @pytest.mark.parametrize(
@@ -393,10 +457,11 @@ def test_optimizer_steps_match_eager(results: list[dict[str, Any]]) -> None:
         ),
     ],
 )
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_call_with_other_sharding_is_refused(
-    results: list[dict[str, Any]], case: str, expected: list[str]
+    results: list[dict[str, Any]], case: str, expected: list[str], backend: str
 ) -> None:
-    for recorded in _scenario(results, "training"):
+    for recorded in _scenario(results, f"training {backend}"):
         message = recorded["refusals"][case]
         for part in expected:
             assert part in message, message
@@ -412,7 +477,6 @@ def test_a_call_with_other_sharding_is_refused(
                 "Capture a model whose parameters are DTensors",
             ],
         ),
-        ("inductor", ["inductor backend cannot compile", "backend='eager'"]),
         (
             "tensor parallel",
             [

@@ -198,6 +198,9 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "ALIASED_INPUTS": [],
         # Emitted only by a capture with DTensor inputs; its absence reads as none.
         "DTENSORS": {},
+        # Emitted only by an inductor capture with DTensors; likewise.
+        "SHARD_INPUTS": {},
+        "SHARD_OUTPUTS": {},
         "KERNEL_BINARIES": {},
         "KERNEL_SOURCES": {},
         # The BatchNorm's values the trace read and built into the graph.
@@ -247,6 +250,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_VALUES",
         "ALIASED_INPUTS",
         "DTENSORS",
+        "SHARD_INPUTS",
+        "SHARD_OUTPUTS",
         "KERNEL_BINARIES",
         "KERNEL_SOURCES",
         "OPTIMIZERS",
