@@ -9,6 +9,7 @@ cases run on the eager backend; one runs on inductor.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import cast
 
@@ -134,6 +135,37 @@ def test_inductor_resets_gradients_too() -> None:
         result = forward(model, batch(seed))
         torch.testing.assert_close(result, zero_grad_first(twin, batch(seed)))
         assert_same_state(model, twin)
+
+
+def test_gradients_reset_to_none_are_freed_before_the_graph_runs(
+    case: tuple[Step, Callable[..., object], str],
+) -> None:
+    # As in eager, where zero_grad() runs before the backward allocates new
+    # gradients: the peak of a step holds one set of gradients, not two.
+    step, forward, name = case
+    model = with_grads(make_model())
+    reset_to_none = {index for index, to_none in STEPS[name][1] if to_none}
+    old = {
+        index: weakref.ref(cast(torch.Tensor, param.grad))
+        for index, param in enumerate(model.parameters())
+        if param.grad is not None
+    }
+    namespace = forward.__globals__  # type: ignore[attr-defined]
+    graph = namespace["call"]
+    alive_at_call: list[int] = []
+
+    def call(inputs: list[torch.Tensor]) -> object:
+        alive_at_call.extend(i for i, ref in old.items() if ref() is not None)
+        return graph(inputs)
+
+    namespace["call"] = call
+    try:
+        twin = clone_with_grads(model)
+        torch.testing.assert_close(forward(model, batch(1)), step(twin, batch(1)))
+    finally:
+        namespace["call"] = graph
+    assert_same_state(model, twin)
+    assert sorted(alive_at_call) == sorted(set(old) - reset_to_none)
 
 
 def test_an_optimizers_zero_grad_resets_the_parameters_it_holds() -> None:

@@ -992,6 +992,10 @@ def forward(*args: object, **keywords: object) -> object:
         _check_python_values(args)
         state = _remember(modules, tensors)
     _check_aliasing(args, state, leaves)
+    # The graph never reads .grad, so the function's resets can come first, as in
+    # eager: gradients reset to None are freed before the graph computes new ones.
+    for index, set_to_none in GRAD_RESETS:
+        reset_grad(state.tensors[index], set_to_none)
     # The graph already contains the backward ops it needs; recording autograd
     # history for them would only cost memory. Grad mode is switched directly:
     # entering torch.no_grad() costs more than a small driver's checks.
@@ -1001,8 +1005,6 @@ def forward(*args: object, **keywords: object) -> object:
         flat_outputs = call([*state.tensors, *leaves])
     finally:
         torch._C._set_grad_enabled(grad_enabled)
-    for index, set_to_none in GRAD_RESETS:
-        reset_grad(state.tensors[index], set_to_none)
     num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
     _add_gradients(state.tensors, flat_outputs[num_results:])
     return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
