@@ -121,18 +121,20 @@ def _resnet18(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 def _gpt2(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    small = {
-        "n_layer": 2,
-        "n_embd": 64,
-        "n_head": 2,
-        "vocab_size": 1000,
-        # The defaults name token 50256 of GPT-2's real vocabulary.
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-    }
     # Without a cache the output holds no DynamicCache, which an artifact cannot
     # return; the computation is the same.
-    config = GPT2Config(use_cache=False, **(small if quick else {}))
+    config = GPT2Config(use_cache=False)
+    if quick:
+        config = GPT2Config(
+            use_cache=False,
+            n_layer=2,
+            n_embd=64,
+            n_head=2,
+            vocab_size=1000,
+            # The defaults name token 50256 of GPT-2's real vocabulary.
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (4, 129), generator=generator)
     return GPT2LMHeadModel(config), tokens[:, :-1], tokens[:, 1:]
@@ -173,9 +175,14 @@ def _run(system: str, case: Case, artifact: Path) -> Step:
     if system == "torch.compile":
         return compiled
 
-    def with_compiled_autograd(*args: object) -> object:
+    def with_compiled_autograd(
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        x: torch.Tensor,
+        y: torch.Tensor,
+    ) -> object:
         with torch._dynamo.config.patch(compiled_autograd=True):
-            return compiled(*args)
+            return compiled(model, optimizer, x, y)
 
     return with_compiled_autograd
 

@@ -146,7 +146,7 @@ def test_gradients_reset_to_none_are_freed_before_the_graph_runs(
     model = with_grads(make_model())
     reset_to_none = {index for index, to_none in STEPS[name][1] if to_none}
     old = {
-        index: weakref.ref(cast(torch.Tensor, param.grad))
+        index: weakref.ref(param.grad)
         for index, param in enumerate(model.parameters())
         if param.grad is not None
     }
