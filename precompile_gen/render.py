@@ -244,6 +244,10 @@ class DriverFeatures:
     data_parallel: bool
     # DTensor graph inputs, whose mesh shapes and placements the driver checks.
     dtensors: bool = False
+    # Sparse gradients the driver builds from the graph's outputs, and the optimizer
+    # steps it takes for them after the graph.
+    sparse_gradients: bool = False
+    deferred_steps: bool = False
 
     @property
     def layouts(self) -> bool:
@@ -302,6 +306,8 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         process_groups=bool(cap.process_groups),
         data_parallel=bool(cap.data_parallel),
         dtensors=bool(cap.dtensors),
+        sparse_gradients=cap.sparse_gradients is not None,
+        deferred_steps=bool(cap.deferred_steps),
     )
 
 
