@@ -256,7 +256,9 @@ class DriverFeatures:
 
 def driver_features(cap: CaptureResult) -> DriverFeatures:
     positions = {module.position for module in cap.modules}
-    optimizer_positions = {optimizer.position for optimizer in cap.optimizers}
+    optimizer_positions = {
+        optimizer.position for optimizer in [*cap.optimizers, *cap.deferred_steps]
+    }
     user_positions = [
         i
         for i in range(cap.num_positional_args)

@@ -21,6 +21,7 @@ from collections.abc import Generator
 from typing import Any, cast
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -63,10 +64,38 @@ class Deferrals:
 
     def __init__(self) -> None:
         self.steps: dict[int, tuple[str, list[int]]] = {}
+        # Per deferred parameter, the graph's nodes when its step was deferred: a
+        # node made later that reads the parameter would read it before the step.
+        self.traced_before: dict[int, set[str]] = {}
 
     def add(self, position: int, name: str, indices: list[int]) -> None:
         known = self.steps.setdefault(position, (name, []))[1]
         known.extend(index for index in indices if index not in known)
+        mode = get_proxy_mode()
+        if indices and mode is not None:
+            names = {node.name for node in mode.tracer.graph.nodes}
+            for index in indices:
+                self.traced_before.setdefault(index, names)
+
+    def reject_reads_after_steps(
+        self, gm: torch.fx.GraphModule, names: dict[int, str], param_names: list[str]
+    ) -> None:
+        """Refuse a function that reads a parameter whose step the driver takes
+        after the graph, once it has stepped it (a forward after the step): the
+        graph would read the value before the update."""
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        for index, before in self.traced_before.items():
+            late = [u for u in placeholders[index].users if u.name not in before]
+            if late:
+                module = _module_of(names, index, param_names)
+                raise PrecompileError(
+                    f"the function reads {param_names[index]!r} (module {module!r}, "
+                    "whose gradient is sparse) after the optimizer's step, which the "
+                    "artifact takes after its graph has run, so the graph would read "
+                    "the value from before the step. Read it after the precompiled "
+                    f"function (or before the step), or build {module!r} with "
+                    "sparse=False."
+                )
 
     def records(self) -> list[DeferredStep]:
         return [
@@ -110,7 +139,7 @@ def deferring(
             if not sparse:
                 continue
             indices = [copy_index[id(p)] for p in sparse]
-            _check_stepper(optimizer, position, indices, names, param_names)
+            _check_stepper(optimizer, group, position, indices, names, param_names)
             deferrals.add(position, type(optimizer).__name__, indices)
             saved.append((group, group["params"]))
             group["params"] = [p for p in group["params"] if not _has_sparse_grad(p)]
@@ -124,6 +153,8 @@ def deferring(
         stack.enter_context(_removing(register_optimizer_step_pre_hook(pre_hook)))
         stack.enter_context(_removing(register_optimizer_step_post_hook(post_hook)))
         for position, optimizer in sparse_steppers:
+            # Listed even if fn does not step it: it is no input of the graph.
+            deferrals.add(position, "SparseAdam", [])
             indices = _stepper_params(optimizer, position, param_index, names)
             stack.enter_context(
                 _recording_step(optimizer, position, indices, deferrals)
@@ -150,15 +181,25 @@ def _removing(handle: Any) -> Generator[None]:
 
 def _check_stepper(
     optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
     position: int,
     indices: list[int],
     names: dict[int, str],
     param_names: list[str],
 ) -> None:
-    if isinstance(optimizer, _SPARSE_STEPPERS):
-        return
     name = type(optimizer).__name__
     module = _module_of(names, indices[0], param_names)
+    if isinstance(optimizer, _SPARSE_STEPPERS):
+        if group.get("weight_decay", 0) != 0:
+            raise PrecompileError(
+                f"the optimizer {name} at argument {position} steps the parameter "
+                f"{param_names[indices[0]]!r}, whose gradient is sparse (module "
+                f"{module!r} has sparse=True), with weight_decay="
+                f"{group['weight_decay']}, which eager's step cannot add to a "
+                "sparse gradient (it raises). Put that module's parameters in a "
+                "param group with weight_decay=0, or build it with sparse=False."
+            )
+        return
     raise PrecompileError(
         f"the optimizer {name} at argument {position} steps the parameter "
         f"{param_names[indices[0]]!r}, whose gradient is sparse (module {module!r} "

@@ -209,7 +209,16 @@ def trace(
     optimizer_positions = [
         i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
     ]
-    lifted_positions = [*module_positions, *optimizer_positions]
+    # A SparseAdam is no graph input either: the driver takes its step.
+    lifted_positions = [
+        *module_positions,
+        *optimizer_positions,
+        *(
+            i
+            for i, a in enumerate(example_inputs)
+            if sparse_gradients.is_sparse_stepper(a)
+        ),
+    ]
     # Read before tracing: fn may switch modes itself, and the driver checks the
     # modes a call arrives with.
     submodules = [list(module.named_modules()) for module in modules]
@@ -404,6 +413,7 @@ def trace(
             if not any(index in step.params for step in deferred_steps)
         ],
     )
+    deferrals.reject_reads_after_steps(gm, sparse_names, state.param_names)
     sparse = sparse_gradients.split(
         gm,
         harvest["grad_param_indices"],
