@@ -425,4 +425,3 @@ def _reflatten_outputs(gm: torch.fx.GraphModule, count: int) -> None:
         spec = torch.utils._pytree.tree_flatten(list(range(count)))[1]
         codegen.pytree_info = info._replace(out_spec=spec)
         gm._out_spec = spec
-
