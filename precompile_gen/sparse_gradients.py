@@ -306,7 +306,6 @@ def split(
     outputs = list(output.args[0])
     num_results = len(outputs) - len(grad_param_indices)
     if not positions:
-        _reject_sparse_values(graph, "")
         return None
     _drop_dead_sparse_reads(graph)
     tail = _collect_tail(graph, [outputs[num_results + k] for k in positions])
@@ -388,11 +387,11 @@ def _reject_escapes(
 
 def _reject_sparse_values(graph: torch.fx.Graph, module: str) -> None:
     for node in graph.nodes:
-        if node.op == "call_function" and _is_sparse(node):
-            subject = f"of module {module!r} " if module else ""
+        if _is_sparse(node):
             raise PrecompileError(
-                f"the function computes a sparse tensor {subject}({node.target}) "
-                "that is not a parameter's gradient; the artifact keeps only sparse "
+                f"the function computes a sparse tensor ({node.target}) that is "
+                "not a parameter's gradient (next to the sparse gradient of module "
+                f"{module!r}); the artifact keeps only sparse "
                 "gradients of nn.Embedding and nn.EmbeddingBag (sparse=True) out of "
                 "the graph. Compute with dense tensors, or build the module with "
                 "sparse=False."
