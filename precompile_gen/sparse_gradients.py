@@ -21,6 +21,7 @@ from collections.abc import Generator
 from typing import Any, cast
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -70,7 +71,14 @@ class Deferrals:
 
     def add(self, position: int, name: str, indices: list[int]) -> None:
         known = self.steps.setdefault(position, (name, []))[1]
-        known.extend(index for index in indices if index not in known)
+        if any(index in known for index in indices):
+            raise PrecompileError(
+                f"the function calls step() on the {name} at argument {position} "
+                "more than once, and the artifact takes the step of the parameters "
+                "with sparse gradients once, after its graph. Step once per call "
+                "(call the artifact once per step)."
+            )
+        known.extend(indices)
         mode = get_proxy_mode()
         if indices and mode is not None:
             names = {node.name for node in mode.tracer.graph.nodes}
@@ -421,6 +429,6 @@ def _reflatten_outputs(gm: torch.fx.GraphModule, count: int) -> None:
     codegen = cast(Any, gm.graph._codegen)
     info = getattr(codegen, "pytree_info", None)
     if info is not None and info.out_spec is not None:
-        spec = torch.utils._pytree.tree_flatten(list(range(count)))[1]
+        spec = pytree.tree_flatten(list(range(count)))[1]
         codegen.pytree_info = info._replace(out_spec=spec)
         gm._out_spec = spec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -219,16 +219,14 @@ def test_metadata_names_the_sparse_gradients_and_deferred_steps() -> None:
         two_optimizer_step, model, *optimizers, *batch(0), backend="eager"
     )
     metadata = pg.parse_metadata(code)
-    names = metadata["PARAM_NAMES"]
-    assert [names[i] for i in metadata["SPARSE_GRADIENTS"]] == [
-        "emb.weight",
-        "bag.weight",
-    ]
+    names = cast(list[str], metadata["PARAM_NAMES"])
+    sparse = cast(list[int], metadata["SPARSE_GRADIENTS"])
+    assert [names[i] for i in sparse] == ["emb.weight", "bag.weight"]
     assert metadata["DEFERRED_STEPS"] == [
         {"position": 1, "class": "SparseAdam", "params": [0, 1]}
     ]
     # Only the dense head's Adam state is a graph input.
-    [adam] = metadata["OPTIMIZERS"]
+    [adam] = cast(list[dict[str, Any]], metadata["OPTIMIZERS"])
     assert {names[state[0]] for state in adam["state"]} == {"head.weight", "head.bias"}
 
 
@@ -263,6 +261,14 @@ def forward_after_step(model, optimizer, items, tags, offsets, target):
     return model(items, tags, offsets).detach()
 
 
+def two_steps(model, optimizer, items, tags, offsets, target):
+    loss = loss_of(model, items, tags, offsets, target)
+    loss.backward()
+    optimizer.step()
+    optimizer.step()
+    return loss.detach()
+
+
 def sparse_adam_with_head(model: Recommender) -> list[torch.optim.Optimizer]:
     return [torch.optim.SparseAdam(model.parameters(), lr=0.05)]
 
@@ -287,6 +293,11 @@ REFUSED = {
         read_grad_inside,
         lambda model: [torch.optim.SGD(model.parameters(), lr=0.1)],
         ["sparse gradient of module 'emb'", "after the precompiled function"],
+    ),
+    "two_steps": (
+        two_steps,
+        lambda model: [torch.optim.SGD(model.parameters(), lr=0.1)],
+        ["step() on the SGD at argument 1 more than once", "Step once per call"],
     ),
     "forward_after_step": (
         forward_after_step,
