@@ -83,6 +83,8 @@ METADATA_NAMES: tuple[str, ...] = (
     "SCALAR_OUTPUTS",
     "PROCESS_GROUPS",
     "DATA_PARALLEL",
+    "SPARSE_GRADIENTS",
+    "DEFERRED_STEPS",
 )
 # Emitted only by captures that have them; an artifact without one has none.
 OPTIONAL_METADATA: dict[str, object] = {
@@ -94,6 +96,8 @@ OPTIONAL_METADATA: dict[str, object] = {
     "DTENSORS": {},
     "SHARD_INPUTS": {},
     "SHARD_OUTPUTS": {},
+    "SPARSE_GRADIENTS": [],
+    "DEFERRED_STEPS": [],
 }
 
 
@@ -153,6 +157,34 @@ class OptimizerArgument(NamedTuple):
     # leaves, in this order; a parameter's are created as its first step would
     # create them when the runtime optimizer has none yet.
     state: list[OptimizerStateTensor]
+
+
+class SparseGradients(NamedTuple):
+    """The parameters whose gradients are sparse (``nn.Embedding`` and
+    ``nn.EmbeddingBag`` with ``sparse=True``): the graph returns the dense tensors
+    their backward builds them from, and the driver builds them."""
+
+    # Indices into the params, in the order ``source`` returns their gradients.
+    params: list[int]
+    # Where each goes among the graph's trailing gradient outputs (aligned with
+    # ``grad_param_indices`` once inserted), in ascending order.
+    positions: list[int]
+    # How many of the graph's last outputs ``source`` takes.
+    num_pieces: int
+    # Black-formatted fx code of ``_sparse_gradients(*pieces) -> list``: the ops of
+    # the backward that build the sparse tensors, run eagerly.
+    source: str
+
+
+class DeferredStep(NamedTuple):
+    """An optimizer step the driver takes eagerly after the gradients are added:
+    that of the parameters with sparse gradients, which the graph cannot update."""
+
+    position: int
+    # Its class, by its name in ``torch.optim``.
+    name: str
+    # Indices into the params of the parameters it steps, in the groups' order.
+    params: list[int]
 
 
 class DTensorLayout(NamedTuple):
@@ -329,6 +361,10 @@ class CaptureResult:
     # the DTensor results it returns the shards of, by graph-output position.
     shard_inputs: dict[int, ShardInput] = field(default_factory=dict)
     shard_outputs: dict[int, ShardOutput] = field(default_factory=dict)
+    # Sparse parameter gradients, built by the driver from the graph's last outputs,
+    # and the optimizer steps it takes for them after the graph.
+    sparse_gradients: SparseGradients | None = None
+    deferred_steps: list[DeferredStep] = field(default_factory=list)
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:
@@ -395,4 +431,11 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "SCALAR_OUTPUTS": cap.scalar_outputs,
         "PROCESS_GROUPS": cap.process_groups,
         "DATA_PARALLEL": cap.data_parallel,
+        "SPARSE_GRADIENTS": []
+        if cap.sparse_gradients is None
+        else cap.sparse_gradients.params,
+        "DEFERRED_STEPS": [
+            {"position": step.position, "class": step.name, "params": step.params}
+            for step in cap.deferred_steps
+        ],
     }

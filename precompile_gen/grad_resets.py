@@ -82,7 +82,7 @@ def recording(
             stepped.add(id(optimizer))
             return
         name = type(optimizer).__name__
-        if type(optimizer) in optimizers.SUPPORTED:
+        if type(optimizer) in (*optimizers.SUPPORTED, torch.optim.SparseAdam):
             problem = "which is not an argument of the function"
             fix = "Pass the optimizer to the function as an argument"
         else:

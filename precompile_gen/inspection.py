@@ -462,7 +462,9 @@ def _signature(
 
 def _optimizer_classes(metadata: dict[str, object]) -> dict[int, str]:
     optimizers = cast(list[dict[str, Any]], metadata["OPTIMIZERS"])
-    return {o["position"]: o["class"] for o in optimizers}
+    # A SparseAdam is no graph input: the driver takes its step after the graph.
+    deferred = cast(list[dict[str, Any]], metadata.get("DEFERRED_STEPS", []))
+    return {o["position"]: o["class"] for o in [*deferred, *optimizers]}
 
 
 def _optimizers(metadata: dict[str, object]) -> list[dict[str, object]]:

@@ -90,6 +90,8 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         buffers=lifted[state.num_params :],
         grad_param_indices=traced.grad_param_indices,
         grad_resets=traced.grad_resets,
+        sparse_gradients=traced.sparse_gradients,
+        deferred_steps=traced.deferred_steps,
         in_spec=in_spec,
         out_spec=out_spec,
         scalar_outputs=traced.scalar_outputs,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Generator
+from collections.abc import Container, Generator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -58,10 +58,15 @@ def is_supported(value: object) -> bool:
 
 
 def lift(
-    optimizer: torch.optim.Optimizer, position: int, params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer,
+    position: int,
+    params: list[torch.Tensor],
+    sparse: Container[int] = (),
 ) -> LiftedOptimizer:
     """The optimizer at ``position``, whose parameters must be among the module
-    arguments' ``params`` (the lifted parameters, in PARAM_NAMES order)."""
+    arguments' ``params`` (the lifted parameters, in PARAM_NAMES order). Those in
+    ``sparse`` (indices) get sparse gradients, which the driver steps: their state
+    is no graph input."""
     name = type(optimizer).__name__
     index_of = {id(param): index for index, param in enumerate(params)}
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
@@ -95,8 +100,9 @@ def lift(
     for group, lifted in zip(optimizer.param_groups, groups, strict=True):
         for index in lifted.params:
             param = params[index]
-            if not param.requires_grad:
-                continue  # never gets a gradient, so never a step or a state
+            if not param.requires_grad or index in sparse:
+                # Never a step in the graph: no gradient, or a sparse one.
+                continue
             for key, tensor in _first_state(optimizer, group, param, position).items():
                 state.append(
                     OptimizerStateTensor(

@@ -247,6 +247,10 @@ class DriverFeatures:
     # The compiled graph takes DTensor inputs' local shards and returns its DTensor
     # results' (inductor), which the driver unwraps and wraps.
     local_shards: bool = False
+    # Sparse gradients the driver builds from the graph's outputs, and the optimizer
+    # steps it takes for them after the graph.
+    sparse_gradients: bool = False
+    deferred_steps: bool = False
 
     @property
     def layouts(self) -> bool:
@@ -255,7 +259,9 @@ class DriverFeatures:
 
 def driver_features(cap: CaptureResult) -> DriverFeatures:
     positions = {module.position for module in cap.modules}
-    optimizer_positions = {optimizer.position for optimizer in cap.optimizers}
+    optimizer_positions = {
+        optimizer.position for optimizer in [*cap.optimizers, *cap.deferred_steps]
+    }
     user_positions = [
         i
         for i in range(cap.num_positional_args)
@@ -306,6 +312,8 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         data_parallel=bool(cap.data_parallel),
         dtensors=bool(cap.dtensors),
         local_shards=bool(cap.shard_inputs),
+        sparse_gradients=cap.sparse_gradients is not None,
+        deferred_steps=bool(cap.deferred_steps),
     )
 
 

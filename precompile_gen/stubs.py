@@ -18,6 +18,7 @@ from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
     CompiledGraph,
+    DeferredStep,
     DTensorLayout,
     InputLeaf,
     ModuleArgument,
@@ -27,10 +28,11 @@ from precompile_gen.capture_result import (
     PythonValue,
     ShardInput,
     ShardOutput,
+    SparseGradients,
     StateTensor,
     TensorLiteral,
 )
-from precompile_gen.render import render_artifact
+from precompile_gen.render import format_python, render_artifact
 
 # Typed stand-ins for the spliced graph, which is the only part not from a template.
 _GRAPH_STUBS: dict[Backend, str] = {
@@ -87,6 +89,16 @@ _EAGER_GRAPH_IMPORTS = [
     "import torch.fx._pytree as fx_pytree",
     "import torch.utils._pytree as pytree",
 ]
+
+# What the driver runs to build a sparse gradient (an nn.Embedding's backward).
+_SPARSE_GRADIENTS_STUB = """\
+def _sparse_gradients(piece0, piece1):
+    sparse = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default(
+        1, 1, [4, 4], piece0, piece1, dtype=torch.float32, layout=torch.sparse_coo,
+        device=device(type="cpu"), pin_memory=None
+    )
+    return [sparse]
+"""
 
 _BINARY = "ab/c" + "0" * 51 + ".main.so"
 
@@ -219,6 +231,13 @@ def all_features_capture(backend: Backend) -> CaptureResult:
         shard_outputs={}
         if backend == "eager"
         else {0: ShardOutput(("Partial(sum)",), (2, 4), (4, 1))},
+        sparse_gradients=SparseGradients(
+            params=[0],
+            positions=[0],
+            num_pieces=2,
+            source=format_python(_SPARSE_GRADIENTS_STUB),
+        ),
+        deferred_steps=[DeferredStep(position=4, name="SGD", params=[0])],
     )
 
 

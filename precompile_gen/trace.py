@@ -36,10 +36,12 @@ from precompile_gen import (
     grad_resets,
     optimizers,
     python_state,
+    sparse_gradients,
 )
 from precompile_gen.capture_result import (
     AliasGroup,
     Backend,
+    DeferredStep,
     DTensorLayout,
     InputLeaf,
     LeafValue,
@@ -49,6 +51,7 @@ from precompile_gen.capture_result import (
     Shape,
     ShardInput,
     ShardOutput,
+    SparseGradients,
     check_backend,
 )
 from precompile_gen.errors import (
@@ -131,6 +134,8 @@ class TracedGraph:
     # Positions among fn's flat outputs of the ``.item()`` values it returned.
     scalar_outputs: list[int]
     grad_resets: list[tuple[int, bool]]
+    sparse_gradients: SparseGradients | None
+    deferred_steps: list[DeferredStep]
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     # Strides as the example had them; lowering keeps those the graph depends on.
@@ -210,7 +215,16 @@ def trace(
     optimizer_positions = [
         i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
     ]
-    lifted_positions = [*module_positions, *optimizer_positions]
+    # A SparseAdam is no graph input either: the driver takes its step.
+    lifted_positions = [
+        *module_positions,
+        *optimizer_positions,
+        *(
+            i
+            for i, a in enumerate(example_inputs)
+            if sparse_gradients.is_sparse_stepper(a)
+        ),
+    ]
     # Read before tracing: fn may switch modes itself, and the driver checks the
     # modes a call arrives with.
     submodules = [list(module.named_modules()) for module in modules]
@@ -220,14 +234,24 @@ def trace(
     global_module_hooks = convention.global_module_hooks()
     _warn_of_hooks(module_hooks, global_module_hooks)
     state = lift_module_state(modules)
+    sparse_names = sparse_gradients.sparse_params(
+        modules, state.tensors[: state.num_params]
+    )
     lifted_optimizers = [
         optimizers.lift(
             cast(torch.optim.Optimizer, example_inputs[position]),
             position,
             state.tensors[: state.num_params],
+            sparse_names,
         )
         for position in optimizer_positions
     ]
+    sparse_steppers = [
+        (i, cast(torch.optim.Optimizer, a))
+        for i, a in enumerate(example_inputs)
+        if sparse_gradients.is_sparse_stepper(a)
+    ]
+    deferrals = sparse_gradients.Deferrals()
     user_inputs = tuple(
         a for i, a in enumerate(example_inputs) if i not in lifted_positions
     )
@@ -300,6 +324,15 @@ def trace(
             ),
             data_dependent.value_reads(modules, fn_name),
             data_parallel.reducing(modules, *_module_params(state, flat, len(modules))),
+            sparse_gradients.deferring(
+                [(e.argument.position, e.optimizer) for e in lifted_optimizers],
+                sparse_steppers,
+                state.tensors[:num_params],
+                flat[:num_params],
+                sparse_names,
+                state.param_names,
+                deferrals,
+            ),
         ):
             args = _interleave(example_inputs, lifted_positions, inputs)
             try:
@@ -316,6 +349,9 @@ def trace(
         _reject_opaque_results(result, result_leaves, fn_name)
         harvest["grad_param_indices"] = [
             i for i, g in enumerate(grads) if g is not None
+        ]
+        harvest["sparse_grads"] = [
+            k for k, g in enumerate(g for g in grads if g is not None) if g.is_sparse
         ]
         return [*result_leaves, *(g for g in grads if g is not None)]
 
@@ -370,13 +406,26 @@ def trace(
         for position, (arg, before) in enumerate(zip(flat_args, versions, strict=True))
         if position < state_start and _version(arg) != before
     ]
+    deferred_steps = deferrals.records()
     optimizer_arguments = _finish_optimizers(
         gm,
         flat_args,
         state_start,
         lifted_optimizers,
         stepped,
+        [
+            index
+            for index in harvest["grad_param_indices"]
+            if not any(index in step.params for step in deferred_steps)
+        ],
+    )
+    deferrals.reject_reads_after_steps(gm, sparse_names, state.param_names)
+    sparse = sparse_gradients.split(
+        gm,
         harvest["grad_param_indices"],
+        harvest["sparse_grads"],
+        sparse_names,
+        state.param_names,
     )
     constants = _lift_constants(gm, fn, modules, module_positions)
     if symbolic is None:
@@ -426,6 +475,8 @@ def trace(
         grad_param_indices=harvest["grad_param_indices"],
         scalar_outputs=harvest["scalar_outputs"],
         grad_resets=sorted(resets.items()),
+        sparse_gradients=sparse,
+        deferred_steps=deferred_steps,
         in_spec=in_spec,
         out_spec=harvest["out_spec"],
         leaves=[

@@ -216,6 +216,9 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         # Emitted only by a capture with collectives or a DDP argument; likewise.
         "PROCESS_GROUPS": [],
         "DATA_PARALLEL": [],
+        # Emitted only by a capture with sparse gradients; likewise.
+        "SPARSE_GRADIENTS": [],
+        "DEFERRED_STEPS": [],
     }
     assert list(meta) == [
         "BACKEND",
@@ -258,6 +261,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "SCALAR_OUTPUTS",
         "PROCESS_GROUPS",
         "DATA_PARALLEL",
+        "SPARSE_GRADIENTS",
+        "DEFERRED_STEPS",
     ]
 
 

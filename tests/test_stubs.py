@@ -49,6 +49,7 @@ def test_stubs_cover_every_template() -> None:
             "grad_resets",
             "gradients",
             "optimizers",
+            "sparse_gradients",
             "forward",
         )
     }
