@@ -695,6 +695,45 @@ def _refuser(fn: object, label: str) -> Callable[..., object]:
     return refuse
 
 
+@contextlib.contextmanager
+def refusing_torch_generators(fn: object) -> Generator[None]:
+    """Refuse a draw from a ``torch.Generator`` passed to a random op
+    (``generator=g``) while ``fn`` is traced, before the op draws from it: the
+    graph would hold that generator object itself, which the eager artifact cannot
+    name and which the inductor artifact would draw from apart from the caller's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RefuseGenerators(TorchDispatchMode):
+        def __torch_dispatch__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            kwargs = kwargs or {}
+            if any(
+                isinstance(value, torch.Generator)
+                for value in (*args, *kwargs.values())
+            ):
+                raise _generator_error(fn, func, data_dependent.user_line(code=False))
+            return func(*args, **kwargs)
+
+    with RefuseGenerators():
+        yield
+
+
+def _generator_error(fn: object, op: object, line: str) -> PrecompileError:
+    return _Refusal(
+        f"{_name(fn)!r} passes a torch.Generator to {op} at {line}. The artifact "
+        "draws from torch's global generator only, as the call's torch.manual_seed "
+        "sets it; a generator of its own would be built into the artifact and not "
+        "follow the caller's. Leave out generator= (seed with torch.manual_seed "
+        "before the call), or draw outside the function and pass the tensor in as "
+        "an argument."
+    )
+
+
 def _rng_error(fn: object, generator: str, line: str | None) -> PrecompileError:
     where = f" at {line}" if line else ""
     return _Refusal(

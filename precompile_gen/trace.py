@@ -323,6 +323,7 @@ def trace(
             _compiling(),
             _rnns_step_by_step(),
             python_state.refusing_python_rng(fn),
+            python_state.refusing_torch_generators(fn),
             data_parallel.functional_collectives(),
             dtensors.refusing_conversions(fn_name),
         ):

@@ -240,3 +240,50 @@ def test_a_vae_samples_its_latent_as_eager_does(backend: str) -> None:
     expected = calls(lambda m, x: m(x), model, (x,), seed=5)
     got = calls(artifact, model, (x,), seed=5)
     assert_same_outcomes(got, expected, "VAE")
+
+
+# --- A generator of the function's own is refused ------------------------------------
+
+
+class NoisyLayer(nn.Module):
+    """Adds noise drawn from a generator the module keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return h + torch.randn(h.shape, generator=self.generator)
+
+
+def draw_with(model: nn.Module, x: torch.Tensor, generator: torch.Generator):
+    return model(x) * torch.rand(x.shape, generator=generator)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["module attribute", "argument"])
+def test_a_torch_generator_of_the_functions_own_is_refused(
+    backend: str, where: str
+) -> None:
+    # The inductor artifact would draw from the generator object captured with it,
+    # not the caller's, whatever the seed: refused before the trace draws from it.
+    if where == "argument":
+        model: nn.Module = make_sampler("dropout")
+        generator = torch.Generator().manual_seed(1)
+        fn: Callable[..., object] = draw_with
+        example: tuple[object, ...] = (model, batch(0), generator)
+    else:
+        model = NoisyLayer()
+        generator = model.generator
+        fn, example = infer, (model, batch(0))
+    before = generator.get_state()
+    weight = model.linear.weight.detach().clone()
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(fn, *example, backend=backend)
+    message = str(caught.value)
+    assert "passes a torch.Generator" in message and __file__ in message
+    assert "Leave out generator=" in message and "torch.manual_seed" in message
+    assert torch.equal(generator.get_state(), before)
+    torch.testing.assert_close(model.linear.weight, weight, rtol=0, atol=0)
