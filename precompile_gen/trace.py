@@ -314,6 +314,7 @@ def trace(
         return [*result_leaves, *(g for g in grads if g is not None)]
 
     versions = [_version(arg) for arg in flat_args]
+    generators = python_state.torch_generators(modules, user_leaves)
     try:
         # Grad mode on, so a backward inside fn is recorded as graph ops.
         mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
@@ -323,7 +324,6 @@ def trace(
             _compiling(),
             _rnns_step_by_step(),
             python_state.refusing_python_rng(fn),
-            python_state.refusing_torch_generators(fn),
             data_parallel.functional_collectives(),
             dtensors.refusing_conversions(fn_name),
         ):
@@ -356,6 +356,7 @@ def trace(
             f"{fn_name}(*example_inputs) runs eagerly."
         ) from error
 
+    python_state.reject_torch_generators(gm, fn, generators)
     if symbolic is not None:
         dynamic_dims.reject_constrained_dims(symbolic, fn_name)
     # The trace ran fn for real (or on fakes), so an in-place update of an input
