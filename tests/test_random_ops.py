@@ -6,7 +6,8 @@ call.
 One small module per op: a linear layer whose output goes through the op. Each op
 is captured twice per backend, as inference (``model(x)``) and as a training step
 (forward, ``loss.backward()``, an SGD step); the artifacts are built once per module
-(a module-scoped cache), so the inference tests of an op share one capture.
+(a module-scoped cache), so the inference tests of an op share one capture. Then
+the latent sample of a VAE, and the refusal of a generator of the function's own.
 """
 
 from __future__ import annotations
