@@ -316,14 +316,18 @@ def _random_fills_in_eager_layout(gm: torch.fx.GraphModule) -> None:
     mask. Inductor keeps the strides of ``empty_strided``, and hands the fallback
     kernels (uniform_, normal_, ...) tensors in them; ``bernoulli_`` it lowers to a
     fill of a contiguous copy, so that one fills a contiguous tensor shaped as
-    eager's memory is, permuted back into the logical order."""
+    eager's memory is, permuted back into the logical order. A ``zeros_like`` (or
+    ``ones_like``, ``full_like``) that a fill overwrites is such an allocation too:
+    the fill writes every element."""
     graph = gm.graph
-    empties = graph.find_nodes(
-        op="call_function", target=torch.ops.aten.empty_like.default
-    )
+    empties = [
+        node
+        for target in _ALLOCATIONS_LIKE
+        for node in graph.find_nodes(op="call_function", target=target)
+    ]
     position = {node: index for index, node in enumerate(graph.nodes)}
     changed = False
-    for node in list(empties):
+    for node in empties:
         value = _static_value(node)
         if value is None or not node.users:
             continue
@@ -357,11 +361,22 @@ def _static_value(node: torch.fx.Node) -> torch.Tensor | None:
     return value
 
 
+# The ops that allocate a tensor in their input's layout, as eager's ``empty_like``.
+_ALLOCATIONS_LIKE = (
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.full_like.default,
+)
+
 # ``rand_like(x)`` is ``empty_like(x).uniform_(0, 1)`` in eager; Inductor calls it
-# on x in the layout it chose for x, which need not be eager's.
+# on x in the layout it chose for x, which need not be eager's. ``bernoulli(x, p)``
+# fills a contiguous tensor in eager, and Inductor a copy of x in x's layout. Each
+# maps to its fill and the fill's arguments where the op has none after x.
 _LIKE_OPS = {
     torch.ops.aten.rand_like.default: (torch.ops.aten.uniform_.default, (0.0, 1.0)),
     torch.ops.aten.randn_like.default: (torch.ops.aten.normal_.default, (0.0, 1.0)),
+    torch.ops.aten.bernoulli.p: (torch.ops.aten.bernoulli_.float, ()),
 }
 
 
@@ -369,12 +384,12 @@ def _fill_strided(
     graph: torch.fx.Graph,
     node: torch.fx.Node,
     value: torch.Tensor,
-    fill: tuple[torch._ops.OpOverload, tuple[float, float]],
+    fill: tuple[torch._ops.OpOverload, tuple[float, ...]],
 ) -> None:
     target, arguments = fill
     strided = _empty_strided(graph, node, value)
     with graph.inserting_before(node):
-        filled = graph.call_function(target, (strided, *arguments))
+        filled = graph.call_function(target, (strided, *(node.args[1:] or arguments)))
     filled.meta = dict(node.meta)
     node.replace_all_uses_with(filled)
     graph.erase_node(node)

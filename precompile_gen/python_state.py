@@ -695,6 +695,53 @@ def _refuser(fn: object, label: str) -> Callable[..., object]:
     return refuse
 
 
+def torch_generators(
+    modules: Sequence[torch.nn.Module], leaves: Sequence[object]
+) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The ``torch.Generator`` objects among the input leaves and the modules'
+    attributes, each with its state, for a refused capture to restore: the trace
+    draws from them before the graph shows that it did."""
+    found = {id(leaf): leaf for leaf in leaves if isinstance(leaf, torch.Generator)}
+    for module in modules:
+        for submodule in module.modules():
+            for value in vars(submodule).values():
+                if isinstance(value, torch.Generator):
+                    found[id(value)] = value
+    return [(generator, generator.get_state()) for generator in found.values()]
+
+
+def reject_torch_generators(
+    gm: torch.fx.GraphModule,
+    fn: object,
+    generators: list[tuple[torch.Generator, torch.Tensor]],
+) -> None:
+    """Refuse a graph that draws from a ``torch.Generator`` of the function's own
+    (``generator=g``): the graph holds a copy of that generator, which the eager
+    artifact cannot name and the inductor artifact would draw from apart from the
+    caller's seed."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(
+            isinstance(arg, torch.fx.Node)
+            and arg.op == "get_attr"
+            and isinstance(getattr(gm, str(arg.target), None), torch.Generator)
+            for arg in (*node.args, *node.kwargs.values())
+        ):
+            for generator, state in generators:
+                generator.set_state(state)
+            raise _generator_error(fn, node.target)
+
+
+def _generator_error(fn: object, op: object) -> PrecompileError:
+    return _Refusal(
+        f"{_name(fn)!r} passes a torch.Generator to {op} (generator=). The artifact "
+        "draws from torch's global generator only, as the call's torch.manual_seed "
+        "sets it; a generator of its own would be built into the artifact and not "
+        "follow the caller's. Leave out generator= (seed with torch.manual_seed "
+        "before the call), or draw outside the function and pass the tensor in as "
+        "an argument."
+    )
+
+
 def _rng_error(fn: object, generator: str, line: str | None) -> PrecompileError:
     where = f" at {line}" if line else ""
     return _Refusal(

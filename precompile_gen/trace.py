@@ -356,6 +356,7 @@ def trace(
         return [*result_leaves, *(g for g in grads if g is not None)]
 
     versions = [_version(arg) for arg in flat_args]
+    generators = python_state.torch_generators(modules, user_leaves)
     try:
         # Grad mode on, so a backward inside fn is recorded as graph ops.
         mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
@@ -397,6 +398,7 @@ def trace(
             f"{fn_name}(*example_inputs) runs eagerly."
         ) from error
 
+    python_state.reject_torch_generators(gm, fn, generators)
     if symbolic is not None:
         dynamic_dims.reject_constrained_dims(symbolic, fn_name)
     # The trace ran fn for real (or on fakes), so an in-place update of an input

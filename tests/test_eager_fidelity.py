@@ -351,6 +351,10 @@ def random_draws(
         torch.empty_like(y).uniform_(-1, 1),
         torch.empty_like(y).exponential_(),
         torch.bernoulli(torch.sigmoid(y)),
+        # Used by another op, a draw may be laid out as Inductor likes.
+        torch.bernoulli(torch.empty_like(model(a).transpose(0, 1)), 0.3) * 2,
+        torch.zeros_like(y).bernoulli_(0.6) * 2,
+        torch.ones_like(y).normal_() + 1,
         F.dropout(mixed, 0.3),
         F.dropout(model(a).permute(2, 1, 0).exp(), 0.4),
         F.alpha_dropout(y, 0.3, True),
