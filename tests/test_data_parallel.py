@@ -113,7 +113,10 @@ def _train_like_ddp(
 
 def ddp_training_matches_eager(rank: int, backend: str) -> dict[str, Any]:
     if backend == "inductor":
-        return {"SGD": _train_like_ddp(rank, backend, "SGD", once=False)}
+        return {
+            "SGD": _train_like_ddp(rank, backend, "SGD", once=False),
+            "AdamW once": _train_like_ddp(rank, backend, "AdamW", once=True),
+        }
     return {
         "SGD": _train_like_ddp(rank, backend, "SGD", once=False),
         "AdamW once": _train_like_ddp(
@@ -157,8 +160,11 @@ def test_ddp_step_with_inductor_matches_ddp_eager(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    results = run_ranks(2, tmp_path, ddp_training_matches_eager, "inductor")
+    results = run_ranks(
+        2, tmp_path, ddp_training_matches_eager, "inductor", deadline_s=400
+    )
     _assert_ranks_differ_in_loss_but_agree_on_parameters(results)
+    assert sorted(results[0] or {}) == ["AdamW once", "SGD"]
 
 
 # Refused DDP options, at capture and at call.
