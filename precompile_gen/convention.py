@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 _PRELUDE = """\
+import dataclasses
+import importlib
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ def _driver_code() -> dict[str, Any]:
         "leaf_names",
         "leaf_paths",
         "reset_grad",
+        "pytree_types",
     )
     text = _PRELUDE + "".join(f"\n\n{getattr(macros, name)()}" for name in names)
     namespace: dict[str, Any] = {"__name__": "precompile_gen_convention"}
@@ -83,3 +86,14 @@ def leaf_paths(tree: object) -> list[str]:
 def reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
     """What ``zero_grad(set_to_none)`` does to one parameter."""
     _driver_code()["reset_grad"](param, set_to_none)
+
+
+def import_pytree_type(path: str) -> Any:
+    """The class at ``path`` ("module:qualname"), importing its module."""
+    return _driver_code()["import_pytree_type"](path)
+
+
+def register_pytree_type(cls: type, path: str) -> None:
+    """Have tree specs name ``cls``, a namedtuple or dataclass, by ``path``, and
+    pytree open a dataclass into its init fields (unless registered already)."""
+    _driver_code()["register_pytree_type"](cls, path)

@@ -105,6 +105,8 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         process_groups=traced.process_groups,
         data_parallel=traced.data_parallel,
         dtensors=traced.dtensors,
+        pytree_types=traced.pytree_types,
+        mutated_inputs=traced.mutated_inputs,
         graph=CompiledGraph(
             source=graph_source,
             tensor_literals=[

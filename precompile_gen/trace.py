@@ -36,6 +36,7 @@ from precompile_gen import (
     grad_resets,
     optimizers,
     python_state,
+    pytree_types,
 )
 from precompile_gen.capture_result import (
     AliasGroup,
@@ -127,6 +128,8 @@ class TracedGraph:
     grad_resets: list[tuple[int, bool]]
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
+    # The namedtuple and dataclass types in the specs, by import path.
+    pytree_types: list[str]
     # Strides as the example had them; lowering keeps those the graph depends on.
     leaves: list[InputLeaf]
     # The process groups the graph's collectives use, and each DDP argument's
@@ -225,6 +228,15 @@ def trace(
     user_inputs = tuple(
         a for i, a in enumerate(example_inputs) if i not in lifted_positions
     )
+    user_positions = [
+        i for i in range(len(example_inputs)) if i not in lifted_positions
+    ]
+    # Before flattening: a dataclass is opened once registered.
+    input_types = [
+        path
+        for position, argument in zip(user_positions, user_inputs, strict=True)
+        for path in pytree_types.record(argument, f"argument {position}", result=False)
+    ]
     user_leaves, in_spec = pytree.tree_flatten(user_inputs)
     leaf_names = _leaf_names(example_inputs, lifted_positions, user_inputs)
     _reject_nested_modules(user_leaves, leaf_names)
@@ -303,6 +315,9 @@ def trace(
                 raise
         grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat[:state_start], leaf_names)
+        harvest["pytree_types"] = pytree_types.record(
+            result, f"the result of {fn_name!r}", result=True
+        )
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
         result_leaves, harvest["scalar_outputs"] = data_dependent.scalar_outputs(
             result_leaves
@@ -410,6 +425,7 @@ def trace(
         grad_resets=sorted(resets.items()),
         in_spec=in_spec,
         out_spec=harvest["out_spec"],
+        pytree_types=list(dict.fromkeys(input_types + harvest["pytree_types"])),
         leaves=[
             InputLeaf(
                 shape=_shape(leaf, marked),
