@@ -471,7 +471,9 @@ def _written_inputs(gm: torch.fx.GraphModule) -> set[int]:
             node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
             for i, argument in enumerate(schema.arguments)
         ]
-        for i, (argument, value) in enumerate(zip(schema.arguments, values)):
+        for i, (argument, value) in enumerate(
+            zip(schema.arguments, values, strict=True)
+        ):
             writes = argument.alias_info is not None and argument.alias_info.is_write
             if (
                 (writes or _writes_running_stats(target, i, values))
