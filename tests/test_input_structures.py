@@ -5,7 +5,6 @@ out, on both backends, against eager PyTorch."""
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -14,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
 from torch import nn
 
 import precompile_gen as pg
-from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
 
 BACKENDS = ["eager", "inductor"]
 
@@ -152,9 +151,7 @@ def test_another_key_order_is_said_once(dict_artifact: Compiled) -> None:
         ),
         (
             lambda extras: extras.update(weight=torch.ones(3)),
-            [
-                "argument 1['extras'] has the key(s) ['weight'], which the example did not"
-            ],
+            ["argument 1['extras'] has the key(s) ['weight'], which the example"],
         ),
         (
             lambda extras: extras.update(weight=extras.pop("scale")),
@@ -456,5 +453,5 @@ def test_type_defined_in_a_function_is_refused_at_capture(
     message = str(caught.value)
     assert match in message
     assert "it is defined inside a function, so it has no import path" in message
-    assert re.search(r"Define Local at module level", message)
+    assert "Define Local at module level" in message
     snapshot.assert_unchanged()
