@@ -30,14 +30,22 @@ def record(tree: object, where: str, *, result: bool) -> list[str]:
 
 
 def _visit(tree: object, where: str, keys: str, result: bool, paths: list[str]) -> None:
-    kind = _kind(tree)
+    kind, cls = _kind(tree), type(tree)
     if kind is not None:
-        named = f"{where} at {keys}" if result and keys else where + keys
-        path = _import_path(type(tree), kind, named, result)
-        if path is not None:
-            convention.register_pytree_type(type(tree), path)
-            if _serialized_name(type(tree)) == path and path not in paths:
-                paths.append(path)
+        path = f"{cls.__module__}:{cls.__qualname__}"
+        # A type registered already (by its library, or by an earlier capture) is
+        # left as it is; it is recorded if specs name it by its path.
+        registered = (
+            pytree.SUPPORTED_NODES
+            if kind == "dataclass"
+            else pytree.SUPPORTED_SERIALIZED_TYPES
+        )
+        if cls not in registered:
+            named = f"{where} at {keys}" if result and keys else where + keys
+            if _importable(cls, path, kind, named, result):
+                convention.register_pytree_type(cls, path)
+        if _serialized_name(cls) == path and path not in paths:
+            paths.append(path)
     if pytree.tree_is_leaf(tree):
         return
     node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
@@ -67,19 +75,17 @@ def _serialized_name(cls: type) -> str | None:
     return None if serialized is None else serialized.serialized_type_name
 
 
-def _import_path(cls: type, kind: str, where: str, result: bool) -> str | None:
-    """``cls``'s import path, or None for a namedtuple input the artifact cannot
-    import (its structure then goes unchecked); a result type or dataclass the
-    artifact cannot import is refused."""
-    path = f"{cls.__module__}:{cls.__qualname__}"
+def _importable(cls: type, path: str, kind: str, where: str, result: bool) -> bool:
+    """Whether the artifact can import ``cls`` by ``path``; a result type or a
+    dataclass it cannot is refused, a namedtuple input is not (its structure then
+    goes unchecked)."""
     try:
-        importable = convention.import_pytree_type(path) is cls
+        if convention.import_pytree_type(path) is cls:
+            return True
     except (ImportError, AttributeError):
-        importable = False
-    if importable:
-        return path
+        pass
     if kind == "namedtuple" and not result:
-        return None
+        return False
     inside = "<locals>" in cls.__qualname__
     why = (
         "it is defined inside a function, so it has no import path"
