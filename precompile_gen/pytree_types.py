@@ -12,6 +12,7 @@ refused, except a namedtuple input, which leaves IN_SPEC unrecorded as before.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -49,6 +50,7 @@ def _visit(tree: object, where: str, keys: str, result: bool, paths: list[str]) 
     if pytree.tree_is_leaf(tree):
         return
     node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
+    keyed: list[tuple[Any, object]]
     if node.flatten_with_keys_fn is not None:
         keyed = node.flatten_with_keys_fn(tree)[0]
     else:
@@ -90,8 +92,8 @@ def _importable(cls: type, path: str, kind: str, where: str, result: bool) -> bo
     why = (
         "it is defined inside a function, so it has no import path"
         if inside
-        else f"{path} does not name it (the module has no such attribute, or "
-        "another object under that name)"
+        else f"{path} does not import it here (no such module, no such attribute "
+        "in it, or another object under that name)"
     )
     raise PrecompileError(
         f"{where} is a {kind} of type {cls.__qualname__!r}, which the artifact must "

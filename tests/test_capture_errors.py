@@ -22,9 +22,10 @@ import precompile_gen as pg
 # Read by ``step_with_global`` as a module-level global (not an argument).
 _GLOBAL_OFFSET = torch.ones(4)
 
-# Not importable by its path (this module has no UnexportedPair), so the artifact
+# Not importable by its path (unimportable:Pair), so the artifact
 # cannot name it in a spec.
-Pair = collections.namedtuple("UnexportedPair", ["first", "second"])
+Pair = collections.namedtuple("Pair", ["first", "second"])
+Pair.__module__ = "unimportable"
 
 
 class Opaque:
@@ -36,7 +37,7 @@ class Opaque:
 
 
 pytree.register_pytree_node(
-    Opaque, lambda o: ([o.value], None), lambda values, _: Opaque(values[0])
+    Opaque, lambda o: ([o.value], None), lambda values, _: Opaque(*values)
 )
 
 
@@ -396,10 +397,9 @@ def test_unimportable_namedtuple_result(model: nn.Module, x: torch.Tensor) -> No
         model,
         x,
         match=[
-            "the result of 'step_returning_namedtuple' is a namedtuple of type "
-            "'UnexportedPair'",
-            "UnexportedPair does not name it",
-            "Define UnexportedPair at module level",
+            "the result of 'step_returning_namedtuple' is a namedtuple of type 'Pair'",
+            "unimportable:Pair does not import it here",
+            "Define Pair at module level",
         ],
     )
 

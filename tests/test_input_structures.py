@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import pytest
 import torch
@@ -310,7 +310,8 @@ def test_metadata_records_the_inputs_written_in_place(
     layout_artifact: Compiled,
 ) -> None:
     metadata = pg.parse_metadata(layout_artifact.python_code)
-    leaves_start = len(metadata["PARAM_NAMES"]) + len(metadata["BUFFER_NAMES"])
+    names = [metadata["PARAM_NAMES"], metadata["BUFFER_NAMES"]]
+    leaves_start = sum(len(cast(list[str], n)) for n in names)
     # Only ``total``, the last input leaf: the step's model has no buffers.
     assert metadata["MUTATED_INPUTS"] == [leaves_start + 2]
 

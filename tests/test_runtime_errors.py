@@ -20,10 +20,11 @@ from torch import nn
 
 import precompile_gen as pg
 
-# Not importable by its path (this module has no UnexportedPair): the artifact cannot
+# Not importable by its path (unimportable:Pair): the artifact cannot
 # name it in its spec, so an artifact taking it has IN_SPEC = None and only the leaf
 # checks run.
-Pair = collections.namedtuple("UnexportedPair", ["first", "second"])
+Pair = collections.namedtuple("Pair", ["first", "second"])
+Pair.__module__ = "unimportable"
 
 
 class Batch(TypedDict):
