@@ -316,6 +316,41 @@ def test_metadata_records_the_inputs_written_in_place(
     assert metadata["MUTATED_INPUTS"] == [leaves_start + 2]
 
 
+def scale_rows(model: Net, x: torch.Tensor) -> torch.Tensor:
+    return model.lin(x * 2)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def expanded_artifact(request: pytest.FixtureRequest) -> Compiled:
+    # The example repeats one column: its layout has a stride of 0.
+    example = randn(5, 1, seed=0).expand(5, 4)
+    return compile_for(request.param, scale_rows, make_net(), example)
+
+
+def test_input_of_an_expanded_example_is_not_copied(
+    expanded_artifact: Compiled,
+) -> None:
+    x = randn(5, 4, seed=1)
+    if expanded_artifact.backend == "eager":
+        assert_runs_like_eager(expanded_artifact.forward, scale_rows, make_net(), x)
+        return
+    assert_refused(
+        expanded_artifact.forward,
+        make_net(),
+        x,
+        match=[
+            "argument 1 has strides (4, 1), but the example had (1, 0)",
+            "repeats elements (an expanded tensor)",
+            "backend='eager'",
+        ],
+    )
+    # Another tensor expanded the same way runs, as eager does.
+    same_layout = randn(5, 1, seed=2).expand(5, 4)
+    assert_runs_like_eager(
+        expanded_artifact.forward, scale_rows, make_net(), same_layout
+    )
+
+
 # --- 3. Namedtuples and dataclasses ---------------------------------------------------
 
 
