@@ -400,6 +400,14 @@ def test_namedtuple_and_dataclass_round_trip(typed_artifact: Compiled) -> None:
     assert type(got.stats) is Stats
 
 
+def test_dict_inside_a_dataclass_matches_by_key(typed_artifact: Compiled) -> None:
+    batch = make_typed_batch(1)
+    batch.extras = dict(reversed(batch.extras.items()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_runs_like_eager(typed_artifact.forward, typed_step, make_net(), batch)
+
+
 def test_types_are_recorded_by_import_path(typed_artifact: Compiled) -> None:
     metadata = pg.parse_metadata(typed_artifact.python_code)
     assert metadata["PYTREE_TYPES"] == [
