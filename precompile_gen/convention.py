@@ -2,10 +2,10 @@
 
 How the graph's leading inputs are gathered from the module arguments, how input
 leaves are named, how a gradient is reset and how a namedtuple or dataclass type is
-imported and registered are defined once, as the driver's own
-code, in ``templates/driver/convention.py.j2``. An artifact carries the parts its
-driver needs; here all of it is rendered and executed once, and the functions below
-call it, so capture, ``inspect`` and every artifact follow the same rules.
+imported and registered are defined once, as the driver's own code, in
+``templates/driver/convention.py.j2``. An artifact carries the parts its driver
+needs; here all of it is rendered and executed once, and the functions below call
+it, so capture, ``inspect`` and every artifact follow the same rules.
 """
 
 from __future__ import annotations
