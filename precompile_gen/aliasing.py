@@ -106,6 +106,10 @@ def copies_for_trace(values: list[object]) -> list[object]:
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    if torch._debug_has_internal_overlap(tensor) != 0:
+        # An expanded tensor repeats elements, which copy_ cannot write: copy the
+        # storage it reads, and read it the same way.
+        return _on_storage(tensor, tensor.untyped_storage().clone())
     copy = torch.empty_strided(
         tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device
     )

@@ -66,6 +66,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "GRAD_RESETS",
     "IN_SPEC",
     "OUT_SPEC",
+    "PYTREE_TYPES",
     "USER_INPUT_SHAPES",
     "USER_INPUT_DTYPES",
     "USER_INPUT_DEVICES",
@@ -74,6 +75,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_SYMBOLS",
     "USER_INPUT_VALUES",
     "ALIASED_INPUTS",
+    "MUTATED_INPUTS",
     "DTENSORS",
     "SHARD_INPUTS",
     "SHARD_OUTPUTS",
@@ -89,6 +91,8 @@ METADATA_NAMES: tuple[str, ...] = (
 # Emitted only by captures that have them; an artifact without one has none.
 OPTIONAL_METADATA: dict[str, object] = {
     "PYTHON_VALUES": [],
+    "PYTREE_TYPES": [],
+    "MUTATED_INPUTS": [],
     "OPTIMIZERS": [],
     "SCALAR_OUTPUTS": [],
     "PROCESS_GROUPS": [],
@@ -365,6 +369,15 @@ class CaptureResult:
     # and the optimizer steps it takes for them after the graph.
     sparse_gradients: SparseGradients | None = None
     deferred_steps: list[DeferredStep] = field(default_factory=list)
+    # The namedtuple and dataclass types in ``in_spec`` and ``out_spec``, by import
+    # path ("module:qualname"), each serialised under that path: the artifact
+    # imports and registers them before reading the specs, so that it rebuilds the
+    # same types.
+    pytree_types: list[str] = field(default_factory=list)
+    # The graph inputs (module state, then input leaves) the graph updates in place:
+    # the driver copies an input leaf passed in another layout into the captured one,
+    # except these, whose update the caller must see.
+    mutated_inputs: list[int] = field(default_factory=list)
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:
@@ -396,6 +409,7 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "GRAD_RESETS": cap.grad_resets,
         "IN_SPEC": cap.in_spec,
         "OUT_SPEC": cap.out_spec,
+        "PYTREE_TYPES": cap.pytree_types,
         "USER_INPUT_SHAPES": [leaf.shape for leaf in leaves],
         "USER_INPUT_DTYPES": [leaf.dtype for leaf in leaves],
         "USER_INPUT_DEVICES": [leaf.device for leaf in leaves],
@@ -404,6 +418,7 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
         "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
         "ALIASED_INPUTS": cap.aliased_inputs,
+        "MUTATED_INPUTS": cap.mutated_inputs,
         "DTENSORS": {
             position: tuple(layout) for position, layout in cap.dtensors.items()
         },

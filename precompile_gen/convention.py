@@ -1,10 +1,11 @@
 """The calling convention, as capture and ``inspect`` apply it.
 
 How the graph's leading inputs are gathered from the module arguments, how input
-leaves are named and how a gradient is reset are defined once, as the driver's own
-code, in ``templates/driver/convention.py.j2``. An artifact carries the parts its
-driver needs; here all of it is rendered and executed once, and the functions below
-call it, so capture, ``inspect`` and every artifact follow the same rules.
+leaves are named, how a gradient is reset and how a namedtuple or dataclass type is
+imported and registered are defined once, as the driver's own code, in
+``templates/driver/convention.py.j2``. An artifact carries the parts its driver
+needs; here all of it is rendered and executed once, and the functions below call
+it, so capture, ``inspect`` and every artifact follow the same rules.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 _PRELUDE = """\
+import dataclasses
+import importlib
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ def _driver_code() -> dict[str, Any]:
         "leaf_names",
         "leaf_paths",
         "reset_grad",
+        "pytree_types",
     )
     text = _PRELUDE + "".join(f"\n\n{getattr(macros, name)()}" for name in names)
     namespace: dict[str, Any] = {"__name__": "precompile_gen_convention"}
@@ -83,3 +87,14 @@ def leaf_paths(tree: object) -> list[str]:
 def reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
     """What ``zero_grad(set_to_none)`` does to one parameter."""
     _driver_code()["reset_grad"](param, set_to_none)
+
+
+def import_pytree_type(path: str) -> Any:
+    """The class at ``path`` ("module:qualname"), importing its module."""
+    return _driver_code()["import_pytree_type"](path)
+
+
+def register_pytree_type(cls: type, path: str) -> None:
+    """Have tree specs name ``cls``, a namedtuple or dataclass, by ``path``, and
+    pytree open a dataclass into its init fields (unless registered already)."""
+    _driver_code()["register_pytree_type"](cls, path)

@@ -109,6 +109,8 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         dtensors=traced.dtensors,
         shard_inputs=traced.shard_inputs,
         shard_outputs=traced.shard_outputs,
+        pytree_types=traced.pytree_types,
+        mutated_inputs=traced.mutated_inputs,
         graph=CompiledGraph(
             source=graph_source,
             tensor_literals=[
@@ -168,10 +170,11 @@ def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
     except (NotImplementedError, TypeError) as error:
         raise PrecompileError(
             "the function's result has a structure that cannot be serialised into the "
-            f"artifact ({type(error).__name__}: {error}). This happens for an "
-            "unregistered namedtuple or a pytree node without a JSON-serialisable "
-            "context. Return a tuple, list or dict of tensors, or register the type "
-            "with torch.utils._pytree."
+            f"artifact ({type(error).__name__}: {error}). This happens for a type "
+            "registered with torch.utils._pytree without a serialized_type_name, or "
+            "without a JSON-serialisable context. Return a tuple, list or dict of "
+            "tensors (namedtuples and dataclasses defined at module level work too), "
+            "or register the type with a serialized_type_name."
         ) from error
 
 

@@ -226,6 +226,10 @@ class DriverFeatures:
     # mark_unbacked dims: their bounds, and dims that must share a size.
     dynamic_dims: bool
     shared_sizes: bool
+    # Dicts among the inputs, whose keys a call may pass in another order.
+    dict_inputs: bool
+    # Namedtuple and dataclass types the specs name, imported when loaded.
+    pytree_types: bool
     # Inputs that shared a storage at capture.
     aliasing: bool
     # Inductor's strides, on the module state and on the input leaves.
@@ -287,6 +291,8 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         python_values=bool(cap.python_values),
         dynamic_dims=any(leaf.bounds for leaf in leaves),
         shared_sizes=any(leaf.symbols for leaf in leaves),
+        dict_inputs=cap.in_spec is not None and '"builtins.dict"' in cap.in_spec,
+        pytree_types=bool(cap.pytree_types),
         aliasing=bool(cap.aliased_inputs),
         state_layouts=inductor
         and any(

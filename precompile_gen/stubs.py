@@ -111,6 +111,14 @@ _INPUT_SPEC = (
 )
 
 
+# A tensor, then a dict of two leaves: the all-features capture's inputs.
+_NESTED_INPUT_SPEC = (
+    f'[1, {{"type": "builtins.tuple", "context": "null", "children_spec": '
+    f'[{_LEAF_SPEC}, {{"type": "builtins.dict", "context": "[\\"x\\", '
+    f'\\"scale\\"]", "children_spec": [{_LEAF_SPEC}, {_LEAF_SPEC}]}}]}}]'
+)
+
+
 def stub_capture(backend: Backend) -> CaptureResult:
     """A capture whose every metadata list is non-empty, so each template branch that
     depends on the data is rendered and checked."""
@@ -207,7 +215,9 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             InputLeaf((2, 4), "torch.float32", "cpu", None, None, (4, 1), None),
             InputLeaf(None, None, None, None, None, None, 0.5),
         ],
-        in_spec=None,
+        in_spec=_NESTED_INPUT_SPEC,
+        pytree_types=["inspect:FullArgSpec"],
+        mutated_inputs=[1, 3],
         process_groups=[{"name": "0", "backend": "gloo", "ranks": [0, 1]}],
         data_parallel=[
             {

@@ -36,6 +36,7 @@ from precompile_gen import (
     grad_resets,
     optimizers,
     python_state,
+    pytree_types,
     sparse_gradients,
 )
 from precompile_gen.capture_result import (
@@ -138,6 +139,8 @@ class TracedGraph:
     deferred_steps: list[DeferredStep]
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
+    # The namedtuple and dataclass types in the specs, by import path.
+    pytree_types: list[str]
     # Strides as the example had them; lowering keeps those the graph depends on.
     leaves: list[InputLeaf]
     # The process groups the graph's collectives use, and each DDP argument's
@@ -255,6 +258,15 @@ def trace(
     user_inputs = tuple(
         a for i, a in enumerate(example_inputs) if i not in lifted_positions
     )
+    user_positions = [
+        i for i in range(len(example_inputs)) if i not in lifted_positions
+    ]
+    # Before flattening: a dataclass is opened once registered.
+    input_types = [
+        path
+        for position, argument in zip(user_positions, user_inputs, strict=True)
+        for path in pytree_types.record(argument, f"argument {position}", result=False)
+    ]
     user_leaves, in_spec = pytree.tree_flatten(user_inputs)
     leaf_names = _leaf_names(example_inputs, lifted_positions, user_inputs)
     _reject_nested_modules(user_leaves, leaf_names)
@@ -342,6 +354,9 @@ def trace(
                 raise
         grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat[:state_start], leaf_names)
+        harvest["pytree_types"] = pytree_types.record(
+            result, f"the result of {fn_name!r}", result=True
+        )
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
         result_leaves, harvest["scalar_outputs"] = data_dependent.scalar_outputs(
             result_leaves
@@ -403,10 +418,13 @@ def trace(
         dynamic_dims.reject_constrained_dims(symbolic, fn_name)
     # The trace ran fn for real (or on fakes), so an in-place update of an input
     # shows in its version counter. (An optimizer's state, after them, always is.)
+    # Some kernels write an argument without bumping it (native_batch_norm's running
+    # stats): the ops' schemas say which arguments they write.
+    written = _written_inputs(gm)
     mutated_inputs = [
         position
         for position, (arg, before) in enumerate(zip(flat_args, versions, strict=True))
-        if position < state_start and _version(arg) != before
+        if position < state_start and (_version(arg) != before or position in written)
     ]
     deferred_steps = deferrals.records()
     optimizer_arguments = _finish_optimizers(
@@ -481,6 +499,7 @@ def trace(
         deferred_steps=deferred_steps,
         in_spec=in_spec,
         out_spec=harvest["out_spec"],
+        pytree_types=list(dict.fromkeys(input_types + harvest["pytree_types"])),
         leaves=[
             InputLeaf(
                 shape=_shape(leaf, marked),
@@ -504,6 +523,58 @@ def trace(
             )
         ],
     )
+
+
+def _written_inputs(gm: torch.fx.GraphModule) -> set[int]:
+    """Positions of the graph inputs that an op's schema says it writes, directly or
+    through a view of them."""
+    base: dict[torch.fx.Node, int] = {}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            base[node] = len(base)
+            continue
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        schema = target._schema
+        values = [
+            node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for i, argument in enumerate(schema.arguments)
+        ]
+        for i, (argument, value) in enumerate(
+            zip(schema.arguments, values, strict=True)
+        ):
+            writes = argument.alias_info is not None and argument.alias_info.is_write
+            if (
+                (writes or _writes_running_stats(target, i, values))
+                and isinstance(value, torch.fx.Node)
+                and value in base
+            ):
+                written.add(base[value])
+        aliases = [r.alias_info for r in schema.returns]
+        if node.args and any(a is not None and not a.is_write for a in aliases):
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node) and source in base:
+                base[node] = base[source]
+    return written
+
+
+# Batch norms whose schemas leave the running stats (arguments 3 and 4) unannotated,
+# though they update them in training mode (argument 5).
+_BATCH_NORMS = {
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten.batch_norm.default,
+    torch.ops.aten._batch_norm_impl_index.default,
+    torch.ops.aten.cudnn_batch_norm.default,
+    torch.ops.aten.miopen_batch_norm.default,
+}
+
+
+def _writes_running_stats(
+    target: torch._ops.OpOverload, index: int, values: list[object]
+) -> bool:
+    return target in _BATCH_NORMS and index in (3, 4) and values[5] is True
 
 
 def _module_params(

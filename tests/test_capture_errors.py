@@ -22,8 +22,23 @@ import precompile_gen as pg
 # Read by ``step_with_global`` as a module-level global (not an argument).
 _GLOBAL_OFFSET = torch.ones(4)
 
-# Not registered with torch.utils._pytree, so its spec cannot be serialised.
+# Not importable by its path (unimportable:Pair), so the artifact
+# cannot name it in a spec.
 Pair = collections.namedtuple("Pair", ["first", "second"])
+Pair.__module__ = "unimportable"
+
+
+class Opaque:
+    """A pytree node registered without a serialized_type_name: its specs cannot be
+    serialised."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+pytree.register_pytree_node(
+    Opaque, lambda o: ([o.value], None), lambda values, _: Opaque(*values)
+)
 
 
 class Net(nn.Module):
@@ -352,6 +367,25 @@ def test_mark_unbacked_on_eager_backend(
 
 
 def test_unserialisable_output_spec(model: nn.Module, x: torch.Tensor) -> None:
+    def step_returning_opaque(model: nn.Module, x: torch.Tensor) -> Opaque:
+        out = model(x)
+        out.square().mean().backward()
+        return Opaque(out.detach())
+
+    assert_capture_rejected(
+        step_returning_opaque,
+        model,
+        x,
+        match=[
+            "result",
+            "cannot be serialised",
+            "serialized_type_name",
+            "Return a tuple, list or dict",
+        ],
+    )
+
+
+def test_unimportable_namedtuple_result(model: nn.Module, x: torch.Tensor) -> None:
     def step_returning_namedtuple(model: nn.Module, x: torch.Tensor) -> Pair:
         out = model(x)
         loss = out.square().mean()
@@ -362,7 +396,11 @@ def test_unserialisable_output_spec(model: nn.Module, x: torch.Tensor) -> None:
         step_returning_namedtuple,
         model,
         x,
-        match=["result", "namedtuple", "Return a tuple, list or dict", "register"],
+        match=[
+            "the result of 'step_returning_namedtuple' is a namedtuple of type 'Pair'",
+            "unimportable:Pair does not import it here",
+            "Define Pair at module level",
+        ],
     )
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -206,6 +207,27 @@ def inductor_dynamic_dims() -> pg.CaptureResult:
     return dataclasses.replace(cap, leaves=[leaf])
 
 
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Scores(NamedTuple):
+    logits: torch.Tensor
+    total: torch.Tensor
+
+
+def score_pair(model: nn.Module, pair: Pair) -> Scores:
+    logits = model(pair.x) + model(pair.y)
+    return Scores(logits, logits.sum())
+
+
+def eager_pytree_types() -> pg.CaptureResult:
+    pair = Pair(torch.randn(3, 4), torch.randn(3, 4))
+    return pg.capture(score_pair, _mlp(), pair, backend="eager")
+
+
 # One golden per combination of features that changes the emitted driver, so a
 # template change shows in exactly the goldens whose feature it touches.
 CASES: dict[str, Callable[[], pg.CaptureResult]] = {
@@ -216,6 +238,7 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
     "eager_multi_module": eager_multi_module,
     "eager_scalar_inputs": eager_scalar_inputs,
     "eager_literals_aliasing": eager_literals_aliasing,
+    "eager_pytree_types": eager_pytree_types,
     "inductor_inference": inductor_inference,
     "inductor_dynamic_dims": inductor_dynamic_dims,
 }
@@ -291,6 +314,8 @@ FEATURE_CODE = {
     "layouts": "def _layout_message(",
     "several modules": "f\"module 'm{index}'",
     "nested inputs": "def leaf_paths(",
+    "dict inputs": "def _in_example_order(",
+    "pytree types": "def _register_pytree_types(",
     "optimizers": "def _check_optimizers(",
     "dampened momentum": "def _check_fresh_momentum(",
 }
@@ -304,7 +329,8 @@ FEATURE_CODE = {
         ("eager_grad_resets", {"gradients", "grad resets"}),
         ("eager_optimizer_step", {"gradients", "grad resets", "optimizers"}),
         ("eager_scalar_inputs", {"scalar values", "nested inputs"}),
-        ("eager_multi_module", {"several modules", "nested inputs"}),
+        ("eager_multi_module", {"several modules", "nested inputs", "dict inputs"}),
+        ("eager_pytree_types", {"nested inputs", "pytree types"}),
         ("eager_literals_aliasing", {"aliasing"}),
         ("inductor_inference", {"layouts"}),
         ("inductor_dynamic_dims", {"layouts", "dynamic dims", "shared sizes"}),

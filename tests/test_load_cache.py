@@ -196,6 +196,11 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         # The int extras["scale"] is built into the graph: calls must pass 2.
         "USER_INPUT_VALUES": [None, None, 2],
         "ALIASED_INPUTS": [],
+        # The BatchNorm's running stats and batch count, which the step updates.
+        "MUTATED_INPUTS": [4, 5, 6],
+        # Emitted only by a capture whose inputs or result hold namedtuples or
+        # dataclasses; its absence reads as none.
+        "PYTREE_TYPES": [],
         # Emitted only by a capture with DTensor inputs; its absence reads as none.
         "DTENSORS": {},
         # Emitted only by an inductor capture with DTensors; likewise.
@@ -244,6 +249,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "GRAD_RESETS",
         "IN_SPEC",
         "OUT_SPEC",
+        "PYTREE_TYPES",
         "USER_INPUT_SHAPES",
         "USER_INPUT_DTYPES",
         "USER_INPUT_DEVICES",
@@ -252,6 +258,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_SYMBOLS",
         "USER_INPUT_VALUES",
         "ALIASED_INPUTS",
+        "MUTATED_INPUTS",
         "DTENSORS",
         "SHARD_INPUTS",
         "SHARD_OUTPUTS",
