@@ -190,6 +190,9 @@ USER_INPUT_VALUES: list[bool | int | float | str | None] = [None, None]
 # one storage at capture, e.g. a tensor passed twice, each member with its (storage
 # offset, strides) there. The graph was traced for exactly this aliasing.
 ALIASED_INPUTS: list[dict[int, tuple[int, tuple[int, ...]]]] = []
+# The graph inputs (indices as in ALIASED_INPUTS) the graph updates in place: the
+# caller's tensor must be the one updated, so it is never replaced by a copy.
+MUTATED_INPUTS: list[int] = [0, 1, 2, 3]
 # The compiled kernels this artifact accepts from a cache: file key (in inductor's
 # cache folder) -> sha256. load() writes no other binary, whatever the cache brings.
 KERNEL_BINARIES: dict[str, str] = {}
