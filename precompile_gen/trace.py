@@ -218,15 +218,16 @@ def trace(
     optimizer_positions = [
         i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
     ]
+    sparse_steppers = [
+        (i, cast(torch.optim.Optimizer, a))
+        for i, a in enumerate(example_inputs)
+        if sparse_gradients.is_sparse_stepper(a)
+    ]
     # A SparseAdam is no graph input either: the driver takes its step.
     lifted_positions = [
         *module_positions,
         *optimizer_positions,
-        *(
-            i
-            for i, a in enumerate(example_inputs)
-            if sparse_gradients.is_sparse_stepper(a)
-        ),
+        *(i for i, _ in sparse_steppers),
     ]
     # Read before tracing: fn may switch modes itself, and the driver checks the
     # modes a call arrives with.
@@ -248,11 +249,6 @@ def trace(
             sparse_names,
         )
         for position in optimizer_positions
-    ]
-    sparse_steppers = [
-        (i, cast(torch.optim.Optimizer, a))
-        for i, a in enumerate(example_inputs)
-        if sparse_gradients.is_sparse_stepper(a)
     ]
     deferrals = sparse_gradients.Deferrals()
     user_inputs = tuple(
@@ -290,6 +286,14 @@ def trace(
         ],
     )
     dtensor_layouts = dtensors.layouts([*state.tensors, *user_leaves])
+    # Inductor gets the graph traced again on the local shards (below), which a
+    # symbolic trace's fakes cannot give: refused before the trace costs anything.
+    if backend == "inductor" and dtensor_layouts and symbolic is not None:
+        raise PrecompileError(
+            "mark_unbacked dims and DTensors cannot be captured together on the "
+            "inductor backend yet. Leave the dims static, or capture with "
+            "backend='eager'."
+        )
     # The optimizers' state and lr tensors follow the input leaves.
     optimizer_state = [t for entry in lifted_optimizers for t in entry.state]
     lrs = optimizers.lr_tensors(lifted_optimizers)
@@ -456,13 +460,8 @@ def trace(
     _drop_profiler_ranges(gm)
     _reject_effectful_ops(gm)
     local = None
-    if backend == "inductor" and any(dtensors.is_dtensor(a) for a in flat_args):
-        if symbolic is not None:
-            raise PrecompileError(
-                "mark_unbacked dims and DTensors cannot be captured together on the "
-                "inductor backend yet. Leave the dims static, or capture with "
-                "backend='eager'."
-            )
+    # Optimizer state is a DTensor only where its parameter is.
+    if backend == "inductor" and dtensor_layouts:
         local = dtensors.to_local_graph(gm, flat_args, decompositions)
         gm, flat_args = local.gm, local.flat_args
     return TracedGraph(
