@@ -85,6 +85,12 @@ def optimizer_step(
     return loss.detach()
 
 
+def predict_and_scale(
+    model: nn.Module, x: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return model(x), scale * 2
+
+
 def step_on_two_inputs(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor
 ) -> torch.Tensor:
@@ -246,6 +252,15 @@ def training(mesh: DeviceMesh, backend: str) -> dict[str, Any]:
     refusals["parameter redistributed"] = _refusal(
         lambda: forward(model, _batch(mesh, 0)), model
     )
+    if backend == "inductor":
+        # A mesh of the same shape over another group: the compiled collectives run
+        # on the example's.
+        group = dist.new_group([0, 1])
+        assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+        other = DeviceMesh.from_group(group, "cpu")
+        refusals["another mesh"] = _refusal(
+            lambda: forward(_sharded_model(other), _batch(other, 0))
+        )
     return {"full checks": full_checks_then, "refusals": refusals}
 
 
@@ -276,8 +291,13 @@ def optimizer_training(mesh: DeviceMesh, backend: str) -> dict[str, Any]:
         recorded["shard inputs"] = metadata["SHARD_INPUTS"]
         recorded["process groups"] = metadata["PROCESS_GROUPS"]
         # The optimizer's state is checked where the graph takes its local shard.
-        state["exp_avg"] = _dtensor(state["exp_avg"]).redistribute(mesh, [REPLICATED])
+        sharded = state["exp_avg"]
+        state["exp_avg"] = _dtensor(sharded).redistribute(mesh, [REPLICATED])
         recorded["state resharded"] = _refusal(
+            lambda: forward(model, optimizer, _batch(mesh, 0)), model
+        )
+        state["exp_avg"] = _dtensor(sharded).full_tensor()
+        recorded["state plain"] = _refusal(
             lambda: forward(model, optimizer, _batch(mesh, 0)), model
         )
     return recorded
@@ -314,7 +334,21 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
         "dtensor model, plain capture": _refusal(
             lambda: plain_forward(sharded, x.full_tensor()), sharded
         ),
+        "unbacked on inductor": _refusal(
+            lambda: pg.precompile(
+                predict_and_scale,
+                sharded,
+                _batch(mesh, 0),
+                _unbacked(torch.ones(3)),
+                backend="inductor",
+            )
+        ),
     }
+
+
+def _unbacked(x: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    return x
 
 
 BACKENDS = ("eager", "inductor")
@@ -427,6 +461,13 @@ def test_the_compiled_graph_takes_local_shards_of_the_captured_sharding(
             "Shard it as at capture",
         ]:
             assert part in message, message
+        message = recorded["state plain"]
+        for part in [
+            "an optimizer's state tensor is a plain tensor",
+            "compiled for placements (Shard(dim=0))",
+            "Shard it as at capture",
+        ]:
+            assert part in message, message
 
 
 @pytest.mark.parametrize(
@@ -467,6 +508,19 @@ def test_a_call_with_other_sharding_is_refused(
             assert part in message, message
 
 
+def test_the_compiled_graph_refuses_a_mesh_over_other_groups(
+    results: list[dict[str, Any]],
+) -> None:
+    for recorded in _scenario(results, "training inductor"):
+        message = recorded["refusals"]["another mesh"]
+        for part in [
+            "is a DTensor on a mesh over the process groups ('1',)",
+            "runs its collectives on the example's mesh, over ('0',)",
+            "capture again with this mesh",
+        ]:
+            assert part in message, message
+
+
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
@@ -495,6 +549,10 @@ def test_a_call_with_other_sharding_is_refused(
             ],
         ),
         ("aliasing", ["aliasing among DTensors", ".clone() one of them"]),
+        (
+            "unbacked on inductor",
+            ["mark_unbacked dims and DTensors", "Leave the dims static"],
+        ),
         ("precompile_once", ["Call precompile() on every rank"]),
         (
             "dtensor model, plain capture",
