@@ -255,9 +255,7 @@ def training(mesh: DeviceMesh, backend: str) -> dict[str, Any]:
     if backend == "inductor":
         # A mesh of the same shape over another group: the compiled collectives run
         # on the example's.
-        group = dist.new_group([0, 1])
-        assert isinstance(group, dist.ProcessGroup)  # every rank is a member
-        other = DeviceMesh.from_group(group, "cpu")
+        other = _mesh_over_new_group()
         refusals["another mesh"] = _refusal(
             lambda: forward(_sharded_model(other), _batch(other, 0))
         )
@@ -334,6 +332,15 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
         "dtensor model, plain capture": _refusal(
             lambda: plain_forward(sharded, x.full_tensor()), sharded
         ),
+        "two meshes on inductor": _refusal(
+            lambda: pg.precompile(
+                predict_and_scale,
+                sharded,
+                x,
+                _batch(_mesh_over_new_group(), 1),
+                backend="inductor",
+            )
+        ),
         "unbacked on inductor": _refusal(
             lambda: pg.precompile(
                 predict_and_scale,
@@ -344,6 +351,13 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
             )
         ),
     }
+
+
+def _mesh_over_new_group() -> DeviceMesh:
+    """A mesh of the same shape as the default one, over another process group."""
+    group = dist.new_group([0, 1])
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    return DeviceMesh.from_group(group, "cpu")
 
 
 def _unbacked(x: torch.Tensor) -> torch.Tensor:
@@ -549,6 +563,10 @@ def test_the_compiled_graph_refuses_a_mesh_over_other_groups(
             ],
         ),
         ("aliasing", ["aliasing among DTensors", ".clone() one of them"]),
+        (
+            "two meshes on inductor",
+            ["DTensors on more than one device mesh", "Put them on one mesh"],
+        ),
         (
             "unbacked on inductor",
             ["mark_unbacked dims and DTensors", "Leave the dims static"],
