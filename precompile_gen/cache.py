@@ -164,7 +164,10 @@ def read_cache(
             )
         log.warning(
             "precompile_gen.load: %s; ignoring it and compiling from python_code "
-            "instead, which is slower but gives the same results.",
+            "instead, which is slower but gives the same results. To load without "
+            "compiling, write the pair again with precompile() and pass the cache it "
+            "returns; to load without a cache and without this warning, pass "
+            "cache=None.",
             problem,
         )
         return None
@@ -186,13 +189,14 @@ def read_envelope(cache: bytes) -> tuple[dict[str, object], None] | tuple[None, 
     try:
         envelope = torch.load(io.BytesIO(cache), weights_only=True)
     except Exception as error:
-        # Only torch's first sentence: the rest advises weights_only=False, which
-        # would execute the file.
-        lines = str(error).splitlines()
-        first = lines[0].split(". ")[0] if lines else ""
-        if len(first) > 200:
-            first = first[:200] + "..."
-        return None, f"the cache cannot be read ({type(error).__name__}: {first})"
+        # torch's own message says what its unpickler choked on (a byte that is not
+        # UTF-8, a missing zip directory) and may advise weights_only=False, which
+        # would execute the file: the kind of failure is all that helps here.
+        return None, (
+            "the cache cannot be read: it is not a file torch.save wrote, or it was "
+            "truncated or corrupted after it was written (torch.load failed with "
+            f"{type(error).__name__})"
+        )
     if (
         not isinstance(envelope, dict)
         or not _is(envelope.get("format"), CACHE_FORMAT)
@@ -234,8 +238,12 @@ def check_envelope(
         raise PrecompileError(
             "the cache belongs to another artifact: its code_hash "
             f"{describe_untrusted(shown)}... differs from sha256(python_code) "
-            f"{expected[:16]}..., so the two files do not belong together. Pass the "
-            "cache returned with this python_code by the same precompile() call."
+            f"{expected[:16]}..., so the two files do not belong together. Either "
+            "python_code was edited after precompile() wrote the pair, or the cache "
+            "comes from another precompile() call. Pass the cache returned with "
+            "this python_code by the same precompile() call; to run an edited "
+            "artifact, load it without a cache: load(python_code, None) (an "
+            "inductor artifact's kernels then compile from its code)."
         )
     artifact = envelope.get("artifact")
     if key is not None:

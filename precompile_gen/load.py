@@ -127,18 +127,20 @@ def _reject_rebinding(module: ast.Module) -> None:
 
 def load(
     python_code: str | os.PathLike[str],
-    cache: bytes | os.PathLike[str],
+    cache: bytes | os.PathLike[str] | None,
     *,
     key: bytes | None = None,
 ) -> Callable[..., object]:
     """A callable with the traced function's positional signature.
 
     ``python_code`` is the artifact's text (a str is always text) or the path of its
-    file; ``cache`` is the cache's bytes or the path of its file. Raises
-    PrecompileError when python_code is not an artifact or the cache belongs to
-    another one; a cache that cannot be read is skipped with a warning. With ``key``,
-    the pair must carry a signature made with that key, checked before anything from
-    either file is executed or written.
+    file; ``cache`` is the cache's bytes or the path of its file, or None to load
+    without one (an edited artifact, whose cache no longer belongs to it: an inductor
+    artifact's kernels then compile from the code). Raises PrecompileError when
+    python_code is not an artifact or the cache belongs to another one; a cache that
+    cannot be read is skipped with a warning. With ``key``, the pair must carry a
+    signature made with that key, checked before anything from either file is
+    executed or written.
     """
     if key is not None:
         check_key(key)
@@ -152,9 +154,18 @@ def load(
                 f"load the file {text!r}, pass pathlib.Path({text!r})."
             ) from error
         raise
-    cache_bytes = _cache_bytes(cache)
     backend = str(metadata["BACKEND"])
-    artifact = read_cache(cache_bytes, python_code=text, backend=backend, key=key)
+    if cache is None:
+        if key is not None:
+            raise ValueError(
+                "load was given a key but no cache: the signature the key checks is "
+                "in the cache. Pass the cache returned by precompile(..., key=...) "
+                "with this python_code, or leave out the key to load unsigned code."
+            )
+        artifact = None
+    else:
+        cache_bytes = _cache_bytes(cache)
+        artifact = read_cache(cache_bytes, python_code=text, backend=backend, key=key)
     signed = key is not None
     if backend != "inductor":
         return _execute(text, filename, signed=signed)
@@ -200,8 +211,8 @@ def _cache_bytes(cache: object) -> bytes:
     if not isinstance(cache, os.PathLike):
         raise ValueError(
             "cache must be the bytes returned by precompile() or the path of the file "
-            "it wrote (an os.PathLike such as pathlib.Path), got "
-            f"{type(cache).__name__}."
+            "it wrote (an os.PathLike such as pathlib.Path), or None to load without "
+            f"one, got {type(cache).__name__}."
         )
     return _read_file(os.path.abspath(os.fsdecode(os.fspath(cache))), "cache")
 

@@ -29,8 +29,7 @@ def verify_pair(
     envelope, problem = read_envelope(cache)
     if envelope is None:
         raise PrecompileError(
-            f"{problem}: it is not a precompile_gen cache of this version, or it was "
-            "truncated. load() would ignore it and compile from the artifact; write "
+            f"{problem}. load() would ignore it and compile from the artifact; write "
             "the pair again with this version's precompile()."
         )
     # The checks load() makes: a PrecompileError names a backend or code_hash

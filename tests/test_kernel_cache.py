@@ -248,6 +248,25 @@ def test_a_kernel_without_a_binary_compiles_alone(
         assert (tmp_path / name).read_bytes() == data
 
 
+def test_an_artifact_loaded_without_a_cache_compiles_its_kernels_quietly(
+    pair: Pair,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # load(code, None) is how an edited artifact runs: its cache no longer belongs
+    # to it. Every kernel compiles from the code, with no warning about a cache.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(pair.code + "\n# reviewed\n", None)
+    _assert_matches_eager(forward)
+    assert len(_compiled_kernels(tmp_path, pair.code)) == len(
+        _kernel_sources(pair.code)
+    )
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not any("cache" in w or "EOF" in w for w in warnings), warnings
+
+
 def test_a_binary_that_cannot_be_imported_is_compiled_with_a_warning(
     pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

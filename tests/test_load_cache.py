@@ -425,11 +425,47 @@ def test_load_accepts_a_hand_built_matching_envelope(
     assert_runs_like_eager(forward)
 
 
-@pytest.mark.parametrize("cache", [None, "cache", bytearray(b"x"), memoryview(b"x")])
+@pytest.mark.parametrize("cache", ["cache", bytearray(b"x"), memoryview(b"x")])
 def test_load_rejects_a_non_bytes_cache(captured: Captured, cache: Any) -> None:
     # A path is accepted (tests/test_files.py); a str is never taken for one.
-    with pytest.raises(ValueError, match="bytes"):
+    with pytest.raises(ValueError, match="bytes") as info:
         pg.load(captured.code, cache)
+    assert "or None to load without one" in str(info.value)
+
+
+# --- load: an edited artifact -------------------------------------------------------
+
+
+def _edited(code: str) -> str:
+    return code + "\n# reviewed\n"
+
+
+def test_a_cache_of_the_unedited_artifact_says_it_may_have_been_edited(
+    captured: Captured,
+) -> None:
+    with pytest.raises(pg.PrecompileError, match="do not belong together") as info:
+        pg.load(_edited(captured.code), captured.cache)
+    message = str(info.value)
+    assert "python_code was edited after precompile() wrote the pair" in message
+    assert "load(python_code, None)" in message
+
+
+def test_an_edited_artifact_loads_without_a_cache_and_without_cache_warnings(
+    captured: Captured, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(_edited(captured.code), None)
+    assert_runs_like_eager(forward)
+    # The one warning is that unsigned code runs; nothing about a cache.
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "no signature" in warnings[0], warnings
+    assert not any("cache" in w or "EOF" in w for w in warnings), warnings
+
+
+def test_load_with_a_key_but_no_cache_is_refused(captured: Captured) -> None:
+    with pytest.raises(ValueError, match="given a key but no cache") as info:
+        pg.load(captured.code, None, key=b"secret")
+    assert "leave out the key" in str(info.value)
 
 
 def test_load_rejects_a_non_str_python_code(captured: Captured) -> None:
@@ -455,6 +491,23 @@ def test_load_warns_about_an_unreadable_cache_and_still_runs(
     caplog.set_level(logging.WARNING)
     forward = pg.load(captured.code, _unreadable_caches(captured.cache)[kind])
     assert len(warnings_about(caplog, "cache cannot be read")) == 1
+    assert_runs_like_eager(forward)
+
+
+def test_a_corrupt_cache_is_named_as_such_with_the_fix(
+    captured: Captured, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A byte that is not UTF-8 where the pickle holds a string: torch.load fails
+    # with a UnicodeDecodeError, whose codec detail says nothing about the file.
+    corrupt = b"\x80\x02X\x02\x00\x00\x00\xff\xfe."
+    caplog.set_level(logging.WARNING)
+    forward = pg.load(captured.code, corrupt)
+    (warning,) = warnings_about(caplog, "cache cannot be read")
+    assert "it is not a file torch.save wrote" in warning
+    assert "truncated or corrupted" in warning
+    assert "write the pair again with precompile()" in warning
+    assert "pass cache=None" in warning
+    assert "codec" not in warning and "0xff" not in warning
     assert_runs_like_eager(forward)
 
 

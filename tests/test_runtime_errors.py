@@ -534,3 +534,37 @@ def test_error_type_without_precompile_gen(
     assert lines[:4] == ["PrecompileError", "True", "artifact", "True"], result.stdout
     assert "takes 3 positional arguments" in lines[4]
     assert "got 0" in lines[4]
+
+
+def _sgd_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the shape message is written by templates/driver/arguments.py.j2, which "
+    "suggests mark_unbacked for every capture",
+)
+def test_the_shape_message_of_an_optimizer_step_does_not_suggest_mark_unbacked() -> (
+    None
+):
+    # A capture with an optimizer argument refuses mark_unbacked dims, so the
+    # message must not send the caller there.
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    code, cache = pg.precompile(
+        _sgd_step, model, optimizer, torch.randn(3, 4), backend="eager"
+    )
+    forward = pg.load(code, cache)
+    with pytest.raises(pg.PrecompileError) as info:
+        forward(model, optimizer, torch.randn(5, 4))
+    message = str(info.value)
+    assert "argument 2 has shape (5, 4)" in message
+    assert "Pass that shape, or capture again with this one" in message
+    assert "mark_unbacked" not in message
