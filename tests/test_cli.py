@@ -11,17 +11,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
-import importlib.util
 import io
 import json
 import os
 import pty
 import re
-import shutil
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -704,77 +701,3 @@ def test_progress_on_a_terminal_draws_a_live_line() -> None:
     assert len(frames) >= 3, text
     assert len(set(frames)) >= 2, text
     assert "ok compiling: done in" in text
-
-
-# --- gallery, golden workflow -----------------------------------------------------
-
-
-def _gallery_module() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "gallery", REPO_ROOT / "tools" / "gallery.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_readme_gallery_is_generated_from_the_current_goldens() -> None:
-    gallery = _gallery_module()
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    wanted = gallery.update(readme, gallery.render_gallery(REPO_ROOT))
-    assert readme == wanted, (
-        "README.md's gallery differs from the goldens; run `python tools/gallery.py` "
-        "and commit README.md"
-    )
-    # It shows both backends' artifacts and inspect output, taken from the goldens.
-    section = readme.split(gallery.START)[1].split(gallery.END)[0]
-    assert "torch.ops.aten." in section and "async_compile.cpp_pybinding" in section
-    assert section.count("precompile-gen inspect tests/golden/") == 2
-    inspected = format_report(inspect_artifact(_golden("inductor_inference"), "x"))
-    assert inspected.splitlines()[1] in section  # "function   predict(...)"
-
-
-def test_documented_golden_update_command_regenerates_the_goldens(
-    tmp_path: Path,
-) -> None:
-    # The command from CONTRIBUTING.md, run on a copy of the test tree so that the
-    # real goldens are never written by the test suite.
-    contributing = (REPO_ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
-    assert "python -m pytest tests/test_golden.py --update-goldens" in contributing
-    copy = tmp_path / "tests"
-    copy.mkdir()
-    for name in ("conftest.py", "test_golden.py"):
-        shutil.copy(REPO_ROOT / "tests" / name, copy / name)
-    shutil.copytree(GOLDEN, copy / "golden")
-    shutil.copytree(REPO_ROOT / "tests" / "fixtures", copy / "fixtures")
-    (copy / "golden" / "eager_inference.py").unlink()
-    (copy / "golden" / "eager_train_step.py").write_text("stale\n", encoding="utf-8")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/test_golden.py",
-            "--update-goldens",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    # Each golden, the missing and the stale one included, is now exactly what
-    # test_golden compares against (whether or not the committed goldens are current).
-    # The copy's module is the same file: its captures record their namedtuple and
-    # dataclass types under the same import path (test_golden:Pair), which the
-    # suite's own test_golden module serves.
-    golden_tests = importlib.import_module("test_golden")
-    cases = golden_tests.CASES
-    assert sorted(p.stem for p in (copy / "golden").glob("*.py")) == sorted(cases)
-    for name, case in cases.items():
-        written = (copy / "golden" / f"{name}.py").read_text(encoding="utf-8")
-        assert written == render_artifact(case()), name

@@ -1,0 +1,124 @@
+"""Regenerate every generated file, or check that each is current.
+
+    python tools/regenerate.py           # rewrite each generated file from its source
+    python tools/regenerate.py --check   # exit 1, naming them, if any is out of date
+
+The files, in order, since each is made from the one before:
+
+1. tests/fixtures/inductor_mlp_graph.txt: the canned Inductor module the inductor
+   goldens splice (tests/fixtures/regenerate_inductor_graph.py). It is Inductor's
+   output on this machine's vector instruction set, so it is made and checked only
+   where Inductor picks the width it was made for, and skipped elsewhere with a note.
+2. tests/golden/*.py: the goldens, by ``GOLDEN_COMMAND``; checked by running
+   tests/test_golden.py without the flag.
+3. docs/gallery.md: excerpts of the goldens (tools/gallery.py).
+
+Everything runs on this checkout's code, whatever copy of precompile_gen is
+installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN_COMMAND = ["python", "-m", "pytest", "tests/test_golden.py", "--update-goldens"]
+FIXTURE_SCRIPT = ROOT / "tests" / "fixtures" / "regenerate_inductor_graph.py"
+
+
+def _module(path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _environment() -> dict[str, str]:
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def inductor_graph(check: bool) -> str | None:
+    """Regenerate (or check) the canned Inductor module; what is wrong, or None."""
+    fixtures = _module(FIXTURE_SCRIPT)
+    bits = fixtures.vector_bits()
+    if bits != fixtures.VECTOR_BITS:
+        print(
+            f"skipped {fixtures.FIXTURE.relative_to(ROOT)}: Inductor vectorises for "
+            f"{bits} bits here, and it was made for {fixtures.VECTOR_BITS}"
+        )
+        return None
+    wanted = fixtures.canned_graph()
+    current = fixtures.FIXTURE.read_text(encoding="utf-8")
+    name = fixtures.FIXTURE.relative_to(ROOT)
+    if wanted == current:
+        print(f"{name} is up to date")
+        return None
+    if check:
+        return f"{name} differs from what Inductor makes of its MLP here"
+    fixtures.FIXTURE.write_text(wanted, encoding="utf-8")
+    print(f"updated {name}")
+    return None
+
+
+def goldens(check: bool) -> str | None:
+    """Regenerate (or check) tests/golden/; what is wrong, or None."""
+    command = [sys.executable, *GOLDEN_COMMAND[1:]]
+    if check:
+        command.remove("--update-goldens")
+    done = subprocess.run(
+        [*command, "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode == 0:
+        print("tests/golden/ is up to date" if check else "regenerated tests/golden/")
+        return None
+    print(done.stdout[-6000:], done.stderr[-2000:], file=sys.stderr)
+    if check:
+        return "tests/golden/ differs from what the templates render"
+    raise SystemExit(f"{' '.join(GOLDEN_COMMAND)} failed (output above)")
+
+
+def gallery(check: bool) -> str | None:
+    """Regenerate (or check) docs/gallery.md; what is wrong, or None."""
+    tool = _module(ROOT / "tools" / "gallery.py")
+    if tool.main(["--check"] if check else []) != 0:
+        return f"{tool.PAGE} differs from the goldens' excerpts"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="change nothing; exit 1 if any generated file is out of date",
+    )
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    stale = [
+        problem
+        for step in (inductor_graph, goldens, gallery)
+        if (problem := step(args.check)) is not None
+    ]
+    for problem in stale:
+        print(f"out of date: {problem}", file=sys.stderr)
+    if stale:
+        print("run `python tools/regenerate.py` and review the diff", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
