@@ -263,6 +263,7 @@ def _inductor_graph(
         "fallback_random": True,
     }
     _random_fills_in_eager_layout(traced.gm)
+    _scale_before_add(traced.gm)
     try:
         # compile_to_python applies ``options`` to Inductor's compile only, after
         # AOTAutograd has decomposed the graph with the decompositions of the ambient
@@ -306,6 +307,34 @@ def _inductor_graph(
             "select_decomp_table()), or use backend='eager' to run the captured "
             "graph without compiling it."
         ) from error
+
+
+# ``add(x, y, alpha=a)`` and its in-place form, whose ``alpha`` Inductor's fusion of an
+# ``mm`` and an ``add`` into one ``addmm`` drops: ``add(mm(a, b), p, alpha=0.1)``, an
+# SGD step's weight decay on a gradient the graph has just computed, would become
+# ``addmm(p, a, b)``.
+_ADDS_WITH_ALPHA = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+
+
+def _scale_before_add(gm: torch.fx.GraphModule) -> None:
+    """Rewrite ``add(x, y, alpha=a)`` as ``add(x, mul(y, a))``, which is how
+    Inductor computes it anyway, so that no fusion can lose the scale."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target not in _ADDS_WITH_ALPHA or "alpha" not in node.kwargs:
+            continue
+        alpha = node.kwargs["alpha"]
+        if alpha == 1 or not isinstance(node.args[1], torch.fx.Node):
+            continue
+        with gm.graph.inserting_before(node):
+            scaled = gm.graph.call_function(
+                torch.ops.aten.mul.Tensor, (node.args[1], alpha)
+            )
+        node.args = (node.args[0], scaled)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "alpha"}
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def _random_fills_in_eager_layout(gm: torch.fx.GraphModule) -> None:

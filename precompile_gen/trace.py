@@ -38,6 +38,7 @@ from precompile_gen import (
     python_state,
     pytree_types,
     sparse_gradients,
+    update_order,
 )
 from precompile_gen.capture_result import (
     AliasGroup,
@@ -459,6 +460,10 @@ def trace(
     _reject_control_flow(gm)
     _drop_profiler_ranges(gm)
     _reject_effectful_ops(gm)
+    if not aliased_inputs:
+        update_order.hoist_updates(
+            gm, {*range(state.num_params), *range(state_start, lr_start)}
+        )
     local = None
     # Optimizer state is a DTensor only where its parameter is.
     if backend == "inductor" and dtensor_layouts:
@@ -546,7 +551,7 @@ def _written_inputs(gm: torch.fx.GraphModule) -> set[int]:
         ):
             writes = argument.alias_info is not None and argument.alias_info.is_write
             if (
-                (writes or _writes_running_stats(target, i, values))
+                (writes or update_order.writes_running_stats(target, i, values))
                 and isinstance(value, torch.fx.Node)
                 and value in base
             ):
@@ -561,21 +566,6 @@ def _written_inputs(gm: torch.fx.GraphModule) -> set[int]:
 
 # Batch norms whose schemas leave the running stats (arguments 3 and 4) unannotated,
 # though they update them in training mode (argument 5).
-_BATCH_NORMS = {
-    torch.ops.aten.native_batch_norm.default,
-    torch.ops.aten.batch_norm.default,
-    torch.ops.aten._batch_norm_impl_index.default,
-    torch.ops.aten.cudnn_batch_norm.default,
-    torch.ops.aten.miopen_batch_norm.default,
-}
-
-
-def _writes_running_stats(
-    target: torch._ops.OpOverload, index: int, values: list[object]
-) -> bool:
-    return target in _BATCH_NORMS and index in (3, 4) and values[5] is True
-
-
 def _module_params(
     state: ModuleState, flat: list[Any], count: int
 ) -> tuple[list[list[torch.Tensor]], list[list[str]]]:

@@ -389,3 +389,54 @@ def test_random_ops_draw_eagers_numbers_in_eagers_layout(
         for index, (g, e) in enumerate(zip(got, expected, strict=True)):
             torch.testing.assert_close(g, e, msg=f"draw {index}")
             assert g.stride() == e.stride(), f"draw {index}"
+
+
+# --- A scaled add next to a matmul ---------------------------------------------------
+
+
+def weight_decay_step(
+    model: nn.Sequential, optimizer: torch.optim.Optimizer, x: torch.Tensor
+) -> torch.Tensor:
+    """SGD's weight decay adds the parameter, scaled, to the gradient a matmul has
+    just computed; the hand-written update scales the matmul's gradient itself."""
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        for param in model.parameters():
+            assert param.grad is not None
+            param.add_(param.grad, alpha=-0.05)
+    optimizer.zero_grad(set_to_none=True)
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+    return torch.add(first.weight @ x.T, first.weight.sum(1, True), alpha=0.5)
+
+
+@pytest.fixture(scope="module")
+def weight_decay_artifact(backend: str) -> Captured:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    return capture(
+        weight_decay_step,
+        model,
+        *sgd_with_weight_decay(model),
+        batch(4, 8),
+        backend=backend,
+    )
+
+
+def sgd_with_weight_decay(model: nn.Module) -> tuple[object, ...]:
+    return (torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1),)
+
+
+def test_an_add_with_alpha_next_to_a_matmul_keeps_its_scale(
+    weight_decay_artifact: Captured,
+) -> None:
+    # Inductor fuses mm + add into one addmm and drops add's alpha; torch.compile
+    # of the step alone gives other numbers where the artifact must not.
+    run_side_by_side(
+        weight_decay_artifact,
+        weight_decay_step,
+        lambda model: (*sgd_with_weight_decay(model), batch(4, 8)),
+        steps=3,
+    )
