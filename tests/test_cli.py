@@ -25,6 +25,7 @@ import types
 from pathlib import Path
 
 import pytest
+from test_golden import full_artifact, split_runtime
 
 from precompile_gen import kernel_binaries
 from precompile_gen.cache import build_cache
@@ -50,7 +51,8 @@ COMMANDS = ("demo", "inspect", "verify", "diff", "stubs")
 
 
 def _golden(name: str) -> str:
-    return (GOLDEN / f"{name}.py").read_text(encoding="utf-8")
+    """The artifact a golden stands for, its runtime support included."""
+    return full_artifact((GOLDEN / f"{name}.py").read_text(encoding="utf-8"))
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -284,7 +286,7 @@ def test_inspect_shows_signature_state_inputs_output_graph_and_sections(
     assert report["output"]["leaves"] == 3
     assert report["graph"]["kernels"] == []
     assert sum(report["graph"]["op_calls"].values()) > 0
-    text = _golden("eager_multi_module")
+    text = (GOLDEN / "eager_multi_module.py").read_text(encoding="utf-8")
     assert sum(s["bytes"] for s in report["sections"]) == len(text.encode())
 
 
@@ -624,7 +626,8 @@ def test_diff_summarizes_kernel_bodies_on_request(
     changed = text.replace(kernel.source, kernel.source.replace("{", "{ ", 1))
     new = tmp_path / "new.py"
     new.write_text(changed, encoding="utf-8")
-    old = str(GOLDEN / "inductor_inference.py")
+    (tmp_path / "old.py").write_text(text, encoding="utf-8")
+    old = str(tmp_path / "old.py")
     full_code, full, _ = _cli(capsys, "diff", old, str(new))
     summary_code, summary, _ = _cli(
         capsys, "diff", "--summarize-kernels", old, str(new)
@@ -777,4 +780,7 @@ def test_documented_golden_update_command_regenerates_the_goldens(
     assert sorted(p.stem for p in (copy / "golden").glob("*.py")) == sorted(cases)
     for name, case in cases.items():
         written = (copy / "golden" / f"{name}.py").read_text(encoding="utf-8")
-        assert written == render_artifact(case()), name
+        golden, runtime = split_runtime(render_artifact(case()))
+        assert written == golden, name
+        pinned = copy / "golden" / "runtime" / "support.py"
+        assert pinned.read_text(encoding="utf-8") == runtime
