@@ -110,11 +110,11 @@ def _same_known_text(a: Section, b: Section) -> bool:
 def _collapsed_view(section: Section) -> _View:
     """The runtime section with its known body as one line."""
     view = _plain_view(section)
-    body = section.body.count("\n")
+    end = 3 + section.body.count("\n")
+    collapsed = f"<the runtime support, sha256 {section.stamp}>"
     return _View(
-        [*view.lines[:3], f"<the runtime support, sha256 {section.stamp}>"]
-        + view.lines[3 + body :],
-        [*view.numbers[:4], *view.numbers[3 + body :]],
+        [*view.lines[:3], collapsed, *view.lines[end:]],
+        [*view.numbers[:4], *view.numbers[end:]],
     )
 
 

@@ -615,6 +615,27 @@ def test_diff_compares_goldens_section_by_section(
             assert a_lines[int(start) - 1] == first_line[1:]
 
 
+def test_diff_shows_the_same_runtime_support_as_one_line() -> None:
+    a, b = _golden("eager_inference"), _golden("eager_train_step")
+    runtime = sections_by_key(a)["runtime"]
+    out, differs = diff_artifacts(a, b)
+    assert differs
+    assert f"\n== {runtime.label()}: identical\n" in out
+    # Only what follows the known text differs: the diff shows that, and the known
+    # text as one line.
+    note = 'print("traced function took'
+    out, differs = diff_artifacts(a, a.replace(note, note + " (edited)"), context=9)
+    assert differs
+    assert f"<the runtime support, sha256 {runtime.stamp}>" in out
+    assert "def _remembered_state(" not in out
+    # A copy whose text is not the one its stamp names is diffed line by line.
+    edited = a.replace("traced_modes, several)", "traced_modes, False)")
+    assert edited != a
+    out, differs = diff_artifacts(a, edited)
+    assert differs
+    assert re.search(r"^\+ +return _describe_mode_difference\(.*, False\)$", out, re.M)
+
+
 def test_diff_summarizes_kernel_bodies_on_request(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

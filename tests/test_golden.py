@@ -15,6 +15,7 @@ ISA; no tracing happens for it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import hashlib
@@ -36,6 +37,7 @@ from precompile_gen.capture_result import (
     StateTensor,
 )
 from precompile_gen.sections import Section, sections_by_key
+from precompile_gen.stubs import STUBS
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 FIXTURE_DIR = Path(__file__).parent / "fixtures"
@@ -350,6 +352,62 @@ def test_a_runtime_change_changes_only_the_runtime_golden(
         rendered, before = _section_texts(golden), _section_texts(pinned)
         assert {k for k in rendered if rendered[k] != before[k]} == {"runtime"}
         assert rendered["driver"] == before["driver"]
+
+
+def _import_time_names(statement: ast.stmt) -> set[str]:
+    """The names a module-level statement reads while the module is executed: a
+    function's decorators, defaults and annotations, not its body."""
+    if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+        arguments = statement.args
+        annotated = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+        parts: list[ast.AST] = [
+            *statement.decorator_list,
+            *arguments.defaults,
+            *[d for d in arguments.kw_defaults if d is not None],
+            *[a.annotation for a in annotated if a.annotation is not None],
+        ]
+        if statement.returns is not None:
+            parts.append(statement.returns)
+    else:
+        parts = [statement]
+    return {
+        node.id
+        for part in parts
+        for node in ast.walk(part)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+    }
+
+
+def _defined_names(statements: list[ast.stmt]) -> set[str]:
+    names = set()
+    for statement in statements:
+        if isinstance(statement, ast.FunctionDef | ast.ClassDef):
+            names.add(statement.name)
+        elif isinstance(statement, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in statement.names}
+        else:
+            for node in ast.walk(statement):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+    return names
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_nothing_runs_runtime_support_before_it_is_defined(backend: str) -> None:
+    # The runtime support comes after section 3: while the artifact is executed,
+    # section 3 may define functions that call it, but read none of its names.
+    for make in STUBS.values():
+        text = pg.render_artifact(make(backend))
+        module = ast.parse(text)
+        sections = sections_by_key(text)
+        runtime = sections["runtime"]
+        before = [s for s in module.body if s.lineno < runtime.first_line]
+        after = [s for s in module.body if s.lineno >= runtime.first_line]
+        only_later = _defined_names(after) - _defined_names(before)
+        assert "_remember" in only_later
+        for statement in before:
+            read = _import_time_names(statement) & only_later
+            assert not read, (statement.lineno, read)
 
 
 # What a reviewer reads for one capture: its section 3, in non-blank lines.
