@@ -31,6 +31,8 @@ from torch import nn
 import precompile_gen as pg
 from precompile_gen import inductor_imports, render
 from precompile_gen.capture_result import (
+    BACKENDS,
+    Backend,
     CompiledGraph,
     InputLeaf,
     ModuleArgument,
@@ -392,8 +394,8 @@ def _defined_names(statements: list[ast.stmt]) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_nothing_runs_runtime_support_before_it_is_defined(backend: str) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nothing_runs_runtime_support_before_it_is_defined(backend: Backend) -> None:
     # The runtime support comes after section 3: while the artifact is executed,
     # section 3 may define functions that call it, but read none of its names.
     for make in STUBS.values():
