@@ -1,11 +1,12 @@
 """The calling convention, as capture and ``inspect`` apply it.
 
-How the graph's leading inputs are gathered from the module arguments, how input
-leaves are named, how a gradient is reset and how a namedtuple or dataclass type is
-imported and registered are defined once, as the driver's own code, in
-``templates/driver/convention.py.j2``. An artifact carries the parts its driver
-needs; here all of it is rendered and executed once, and the functions below call
-it, so capture, ``inspect`` and every artifact follow the same rules.
+How the graph's leading inputs are gathered from the module arguments (and their
+hooks counted), how input leaves are named, how a gradient is reset and how a
+namedtuple or dataclass type is imported and registered are defined once, as the
+artifact's own code: in ``templates/runtime/support.py``, which every artifact
+carries, and ``templates/driver/convention.py.j2``, whose parts an artifact carries
+as its driver needs them. Here all of it is executed once, and the functions below
+call it, so capture, ``inspect`` and every artifact follow the same rules.
 """
 
 from __future__ import annotations
@@ -27,13 +28,10 @@ from torch.utils import _pytree as pytree
 
 @functools.cache
 def _driver_code() -> dict[str, Any]:
-    from precompile_gen.render import environment
+    from precompile_gen.render import environment, runtime_support
 
     macros = environment().get_template("driver/convention.py.j2").module
     names = (
-        "named_members",
-        "module_state",
-        "module_hooks",
         "leaf_names",
         "leaf_paths",
         "reset_grad",
@@ -41,6 +39,8 @@ def _driver_code() -> dict[str, Any]:
     )
     text = _PRELUDE + "".join(f"\n\n{getattr(macros, name)()}" for name in names)
     namespace: dict[str, Any] = {"__name__": "precompile_gen_convention"}
+    support = runtime_support()
+    exec(compile(support, "<templates/runtime/support.py>", "exec"), namespace)
     exec(compile(text, "<templates/driver/convention.py.j2>", "exec"), namespace)
     return namespace
 

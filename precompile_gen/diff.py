@@ -5,13 +5,16 @@ line numbers of the artifact files themselves. The metadata section is compared 
 constant (values read by AST, as ``parse_metadata`` reads them), plus a diff of what
 surrounds the values (comments, annotations). Kernel source strings can be summarised
 to one line each, so a pull request shows that a kernel changed without its C++ or
-Triton body.
+Triton body. The runtime support section, the same text in every artifact of a
+version, shows as one line ("identical", its stamp in its title) when both carry the
+same stamp and hold the text it stands for; only the rest of it is ever diffed then.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import hashlib
 from dataclasses import dataclass
 
 from precompile_gen.inspection import (
@@ -69,6 +72,9 @@ def diff_artifacts(
         )
         if key == "metadata":
             body = _metadata_diff(a, b, context)
+        elif key == "runtime" and _same_known_text(sa, sb):
+            va, vb = _collapsed_view(sa), _collapsed_view(sb)
+            body = _unified(va, vb, a_name, b_name, context)
         else:
             va, vb = _plain_view(sa), _plain_view(sb)
             if key == "graph" and summarize_kernels:
@@ -86,6 +92,30 @@ def diff_artifacts(
     if not differs:
         out.append("\nthe artifacts are identical")
     return "\n".join(out) + "\n", differs
+
+
+def _same_known_text(a: Section, b: Section) -> bool:
+    """Whether both runtime sections carry one stamp, and each holds the text its
+    stamp stands for (an edited copy does not, and is diffed line by line)."""
+    return (
+        a.stamp is not None
+        and a.stamp == b.stamp
+        and all(
+            hashlib.sha256(s.body.encode("utf-8")).hexdigest() == s.stamp
+            for s in (a, b)
+        )
+    )
+
+
+def _collapsed_view(section: Section) -> _View:
+    """The runtime section with its known body as one line."""
+    view = _plain_view(section)
+    end = 3 + section.body.count("\n")
+    collapsed = f"<the runtime support, sha256 {section.stamp}>"
+    return _View(
+        [*view.lines[:3], collapsed, *view.lines[end:]],
+        [*view.numbers[:4], *view.numbers[end:]],
+    )
 
 
 def _read(text: str, name: str) -> _Artifact:

@@ -14,6 +14,7 @@ out; tests compare the two on thousands of values.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import re
@@ -40,6 +41,26 @@ def template_dir() -> Path:
     if packaged.is_dir():
         return packaged
     return Path(__file__).parent.parent / "templates"
+
+
+# The code every artifact of this version carries verbatim, as its last section: a
+# plain module that ruff and pyrefly check as it is, read through the templates'
+# loader (an installed wheel's copy, like every template) and never rendered.
+RUNTIME_SUPPORT = "runtime/support.py"
+
+
+@functools.cache
+def runtime_support() -> str:
+    """The runtime support's text, as every artifact of this version carries it."""
+    env = environment()
+    assert env.loader is not None
+    source, _, _ = env.loader.get_source(env, RUNTIME_SUPPORT)
+    return source
+
+
+def runtime_stamp(text: str) -> str:
+    """The sha256 that the runtime support section's title gives for ``text``."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # Exact types only: a subclass (``torch.Size``, an ``IntEnum``) reprs into something
@@ -215,7 +236,6 @@ class DriverFeatures:
     # Positions of the non-module arguments, and the call's shape in words.
     user_positions: list[int]
     signature: str
-    several_modules: bool
     # Every non-module argument is one tensor (no nesting, no other values).
     tensor_arguments: bool
     non_tensor_leaves: bool
@@ -283,7 +303,6 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
             else "input"
             for i in range(cap.num_positional_args)
         ),
-        several_modules=len(cap.modules) > 1,
         tensor_arguments=_flat_tuple_of_leaves(cap.in_spec, len(user_positions))
         and all(leaf.shape is not None for leaf in leaves),
         non_tensor_leaves=any(leaf.shape is None for leaf in leaves),
@@ -344,6 +363,7 @@ def render_skeleton(cap: CaptureResult) -> str:
     The templates emit black-formatted code, so the skeleton is final as rendered
     (tests check that black leaves it unchanged).
     """
+    support = runtime_support()
     skeleton = (
         environment()
         .get_template("artifact.py.j2")
@@ -352,6 +372,8 @@ def render_skeleton(cap: CaptureResult) -> str:
             metadata=metadata_constants(cap),
             features=driver_features(cap),
             graph_marker=GRAPH_MARKER,
+            runtime_support=support,
+            runtime_sha256=runtime_stamp(support),
         )
     )
     if skeleton.count(GRAPH_MARKER) != 1:

@@ -10,6 +10,11 @@ Each numbered section starts with the three-line title block that the templates'
 and everything before the first block is the header. Titles must be numbered 1, 2,
 3, ... in order, so a look-alike comment inside the spliced graph (which sits between
 titles 1 and 2) cannot start a section.
+
+The last section, the runtime support, is the same text in every artifact of a
+precompile_gen version; its title carries that text's sha256 (its "stamp"), and its
+body is the text between the title and the closing ``if __name__ == "__main__":``
+block.
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ from precompile_gen.errors import PrecompileError
 
 _RULE = re.compile(r"# ={20,}")
 _TITLE = re.compile(r"# (\d+)\. (\S.*)")
+_STAMP = re.compile(r"\(sha256 ([0-9a-f]{64})\)$")
+_MAIN_BLOCK = '\n\n\nif __name__ == "__main__":'
 
 # Section keys by a word of their title; reviewers and JSON output use the keys.
-_KEY_WORDS = (("metadata", "metadata"), ("driver", "driver"), ("graph", "graph"))
+_KEY_WORDS = (
+    ("metadata", "metadata"),
+    ("driver", "driver"),
+    ("graph", "graph"),
+    ("runtime", "runtime"),
+)
 REQUIRED_KEYS = ("graph", "metadata", "driver")
 
 
@@ -48,6 +60,19 @@ class Section:
 
     def label(self) -> str:
         return self.title if self.number is None else f"{self.number}. {self.title}"
+
+    @property
+    def stamp(self) -> str | None:
+        """The sha256 the title gives for the section's body, if it gives one."""
+        found = _STAMP.search(self.title)
+        return found.group(1) if found else None
+
+    @property
+    def body(self) -> str:
+        """The text after the title block, up to the closing ``__main__`` block."""
+        text = "".join(self.lines[3:])
+        end = text.rfind(_MAIN_BLOCK)
+        return text if end < 0 else text[: end + 1]
 
 
 def split_sections(python_code: str) -> list[Section]:

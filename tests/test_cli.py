@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_golden import full_artifact, split_runtime
 
 from precompile_gen import kernel_binaries
 from precompile_gen.cache import build_cache
@@ -47,7 +48,8 @@ COMMANDS = ("demo", "inspect", "verify", "diff", "stubs")
 
 
 def _golden(name: str) -> str:
-    return (GOLDEN / f"{name}.py").read_text(encoding="utf-8")
+    """The artifact a golden stands for, its runtime support included."""
+    return full_artifact((GOLDEN / f"{name}.py").read_text(encoding="utf-8"))
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -281,7 +283,7 @@ def test_inspect_shows_signature_state_inputs_output_graph_and_sections(
     assert report["output"]["leaves"] == 3
     assert report["graph"]["kernels"] == []
     assert sum(report["graph"]["op_calls"].values()) > 0
-    text = _golden("eager_multi_module")
+    text = (GOLDEN / "eager_multi_module.py").read_text(encoding="utf-8")
     assert sum(s["bytes"] for s in report["sections"]) == len(text.encode())
 
 
@@ -610,6 +612,27 @@ def test_diff_compares_goldens_section_by_section(
             assert a_lines[int(start) - 1] == first_line[1:]
 
 
+def test_diff_shows_the_same_runtime_support_as_one_line() -> None:
+    a, b = _golden("eager_inference"), _golden("eager_train_step")
+    runtime = sections_by_key(a)["runtime"]
+    out, differs = diff_artifacts(a, b)
+    assert differs
+    assert f"\n== {runtime.label()}: identical\n" in out
+    # Only what follows the known text differs: the diff shows that, and the known
+    # text as one line.
+    note = 'print("traced function took'
+    out, differs = diff_artifacts(a, a.replace(note, note + " (edited)"), context=9)
+    assert differs
+    assert f"<the runtime support, sha256 {runtime.stamp}>" in out
+    assert "def _remembered_state(" not in out
+    # A copy whose text is not the one its stamp names is diffed line by line.
+    edited = a.replace("traced_modes, several)", "traced_modes, False)")
+    assert edited != a
+    out, differs = diff_artifacts(a, edited)
+    assert differs
+    assert re.search(r"^\+ +return _describe_mode_difference\(.*, False\)$", out, re.M)
+
+
 def test_diff_summarizes_kernel_bodies_on_request(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -621,7 +644,8 @@ def test_diff_summarizes_kernel_bodies_on_request(
     changed = text.replace(kernel.source, kernel.source.replace("{", "{ ", 1))
     new = tmp_path / "new.py"
     new.write_text(changed, encoding="utf-8")
-    old = str(GOLDEN / "inductor_inference.py")
+    (tmp_path / "old.py").write_text(text, encoding="utf-8")
+    old = str(tmp_path / "old.py")
     full_code, full, _ = _cli(capsys, "diff", old, str(new))
     summary_code, summary, _ = _cli(
         capsys, "diff", "--summarize-kernels", old, str(new)

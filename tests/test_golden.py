@@ -1,7 +1,9 @@
 """Golden artifacts: the emitted text, pinned byte for byte.
 
 A template change shows up here as a diff of tests/golden/; review it like code.
-Regenerate after an intended change with
+The runtime support, the same in every artifact, is pinned once
+(tests/golden/runtime/support.py): each golden holds its section's title, with the
+stamp, in place of its text. Regenerate after an intended change with
 
     python -m pytest tests/test_golden.py --update-goldens
 
@@ -13,9 +15,12 @@ ISA; no tracing happens for it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
-from collections.abc import Callable
+import hashlib
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,16 +29,41 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen import inductor_imports
+from precompile_gen import inductor_imports, render
 from precompile_gen.capture_result import (
+    BACKENDS,
+    Backend,
     CompiledGraph,
     InputLeaf,
     ModuleArgument,
     StateTensor,
 )
+from precompile_gen.sections import Section, sections_by_key
+from precompile_gen.stubs import STUBS
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 FIXTURE_DIR = Path(__file__).parent / "fixtures"
+RUNTIME_GOLDEN = GOLDEN_DIR / "runtime" / Path(render.RUNTIME_SUPPORT).name
+# What a golden holds in place of the runtime support's text.
+RUNTIME_PLACEHOLDER = (
+    "# (its text: tests/golden/runtime/support.py, pinned once for every golden)\n"
+)
+
+
+def split_runtime(text: str) -> tuple[str, str]:
+    """An artifact as its golden holds it, and its runtime support's text."""
+    runtime = sections_by_key(text)["runtime"]
+    start = sum(len(line) for line in runtime.lines[:3])
+    offset = text.index(runtime.text) + start
+    body = runtime.body
+    return text[:offset] + RUNTIME_PLACEHOLDER + text[offset + len(body) :], body
+
+
+def full_artifact(golden: str) -> str:
+    """The artifact a golden stands for: the pinned runtime support in its place."""
+    body = RUNTIME_GOLDEN.read_text(encoding="utf-8")
+    assert golden.count(RUNTIME_PLACEHOLDER) == 1
+    return golden.replace(RUNTIME_PLACEHOLDER, body)
 
 
 def _mlp() -> nn.Module:
@@ -246,27 +276,151 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden(name: str, update_goldens: bool) -> None:
-    rendered = pg.render_artifact(CASES[name]())
+    rendered, body = split_runtime(pg.render_artifact(CASES[name]()))
     path = GOLDEN_DIR / f"{name}.py"
     if update_goldens:
         path.write_text(rendered, encoding="utf-8")
+        RUNTIME_GOLDEN.parent.mkdir(exist_ok=True)
+        RUNTIME_GOLDEN.write_text(body, encoding="utf-8")
         return
+    _assert_pinned(path, rendered)
+    _assert_pinned(RUNTIME_GOLDEN, body)
+
+
+def _assert_pinned(path: Path, rendered: str) -> None:
     assert path.exists(), f"{path} is missing; run pytest with --update-goldens"
     expected = path.read_text(encoding="utf-8")
     if rendered != expected:
+        name = path.relative_to(GOLDEN_DIR).as_posix()
         diff = "".join(
             difflib.unified_diff(
                 expected.splitlines(keepends=True),
                 rendered.splitlines(keepends=True),
-                fromfile=f"golden/{name}.py",
+                fromfile=f"golden/{name}",
                 tofile="rendered",
             )
         )
         pytest.fail(
-            f"rendered artifact differs from golden/{name}.py; if intended, rerun "
+            f"rendered artifact differs from golden/{name}; if intended, rerun "
             f"with --update-goldens and review the diff:\n{diff}",
             pytrace=False,
         )
+
+
+def test_runtime_golden_is_the_text_its_stamp_names() -> None:
+    body = RUNTIME_GOLDEN.read_text(encoding="utf-8")
+    stamp = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    for name in CASES:
+        golden = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
+        assert sections_by_key(golden)["runtime"].stamp == stamp, name
+        assert sections_by_key(full_artifact(golden))["runtime"].body == body
+
+
+def _section_texts(text: str) -> dict[str, str]:
+    return {key: section.text for key, section in sections_by_key(text).items()}
+
+
+@pytest.fixture
+def edited_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Templates whose runtime support has one more function, rendered from."""
+    templates = tmp_path / "templates"
+    shutil.copytree(render.template_dir(), templates)
+    support = templates / render.RUNTIME_SUPPORT
+    edited = support.read_text(encoding="utf-8") + (
+        "\n\ndef _edited() -> None:\n    pass\n"
+    )
+    support.write_text(edited, encoding="utf-8")
+    monkeypatch.setattr(render, "template_dir", lambda: templates)
+    render.environment.cache_clear()
+    render.runtime_support.cache_clear()
+    yield edited
+    render.environment.cache_clear()
+    render.runtime_support.cache_clear()
+
+
+def test_a_runtime_change_changes_only_the_runtime_golden(
+    edited_runtime: str,
+) -> None:
+    pinned_body = RUNTIME_GOLDEN.read_text(encoding="utf-8")
+    old_stamp = hashlib.sha256(pinned_body.encode("utf-8")).hexdigest()
+    new_stamp = hashlib.sha256(edited_runtime.encode("utf-8")).hexdigest()
+    assert new_stamp != old_stamp
+    for name, case in CASES.items():
+        golden, body = split_runtime(pg.render_artifact(case()))
+        assert body == edited_runtime
+        pinned = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
+        # Every section but the runtime support's title (its stamp) is unchanged.
+        assert golden == pinned.replace(old_stamp, new_stamp), name
+        rendered, before = _section_texts(golden), _section_texts(pinned)
+        assert {k for k in rendered if rendered[k] != before[k]} == {"runtime"}
+        assert rendered["driver"] == before["driver"]
+
+
+def _import_time_names(statement: ast.stmt) -> set[str]:
+    """The names a module-level statement reads while the module is executed: a
+    function's decorators, defaults and annotations, not its body."""
+    if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+        arguments = statement.args
+        annotated = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+        parts: list[ast.AST] = [
+            *statement.decorator_list,
+            *arguments.defaults,
+            *[d for d in arguments.kw_defaults if d is not None],
+            *[a.annotation for a in annotated if a.annotation is not None],
+        ]
+        if statement.returns is not None:
+            parts.append(statement.returns)
+    else:
+        parts = [statement]
+    return {
+        node.id
+        for part in parts
+        for node in ast.walk(part)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+    }
+
+
+def _defined_names(statements: list[ast.stmt]) -> set[str]:
+    names = set()
+    for statement in statements:
+        if isinstance(statement, ast.FunctionDef | ast.ClassDef):
+            names.add(statement.name)
+        elif isinstance(statement, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in statement.names}
+        else:
+            for node in ast.walk(statement):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+    return names
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nothing_runs_runtime_support_before_it_is_defined(backend: Backend) -> None:
+    # The runtime support comes after section 3: while the artifact is executed,
+    # section 3 may define functions that call it, but read none of its names.
+    for make in STUBS.values():
+        text = pg.render_artifact(make(backend))
+        module = ast.parse(text)
+        sections = sections_by_key(text)
+        runtime = sections["runtime"]
+        before = [s for s in module.body if s.lineno < runtime.first_line]
+        after = [s for s in module.body if s.lineno >= runtime.first_line]
+        only_later = _defined_names(after) - _defined_names(before)
+        assert "_remember" in only_later
+        for statement in before:
+            read = _import_time_names(statement) & only_later
+            assert not read, (statement.lineno, read)
+
+
+# What a reviewer reads for one capture: its section 3, in non-blank lines.
+SECTION_3_BUDGET = {"eager_inference": 200, "eager_train_step": 320}
+
+
+@pytest.mark.parametrize("name", sorted(SECTION_3_BUDGET))
+def test_section_3_holds_only_what_the_capture_needs(name: str) -> None:
+    driver: Section = sections_by_key(pg.render_artifact(CASES[name]()))["driver"]
+    lines = sum(1 for line in driver.lines if line.strip())
+    assert lines <= SECTION_3_BUDGET[name], lines
 
 
 def test_inductor_golden_splices_the_graph_verbatim() -> None:
@@ -280,6 +434,7 @@ def test_inductor_golden_splices_the_graph_verbatim() -> None:
 def test_goldens_have_no_stale_files() -> None:
     on_disk = {path.stem for path in GOLDEN_DIR.glob("*.py")}
     assert on_disk == set(CASES)
+    assert list(RUNTIME_GOLDEN.parent.iterdir()) == [RUNTIME_GOLDEN]
 
 
 def test_renderer_never_reads_python_source(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,7 +455,7 @@ def test_renderer_never_reads_python_source(monkeypatch: pytest.MonkeyPatch) -> 
 
 def _driver(name: str) -> str:
     text = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
-    return text[text.index("# 3. Driver") :]
+    return sections_by_key(text)["driver"].text
 
 
 # Code each driver feature brings, by a definition or statement only it emits.
@@ -312,7 +467,6 @@ FEATURE_CODE = {
     "scalar values": "USER_INPUT_VALUES[index]",
     "aliasing": "def _describe_aliasing_difference(",
     "layouts": "def _layout_message(",
-    "several modules": "f\"module 'm{index}'",
     "nested inputs": "def leaf_paths(",
     "dict inputs": "def _in_example_order(",
     "pytree types": "def _register_pytree_types(",
@@ -329,7 +483,7 @@ FEATURE_CODE = {
         ("eager_grad_resets", {"gradients", "grad resets"}),
         ("eager_optimizer_step", {"gradients", "grad resets", "optimizers"}),
         ("eager_scalar_inputs", {"scalar values", "nested inputs"}),
-        ("eager_multi_module", {"several modules", "nested inputs", "dict inputs"}),
+        ("eager_multi_module", {"nested inputs", "dict inputs"}),
         ("eager_pytree_types", {"nested inputs", "pytree types"}),
         ("eager_literals_aliasing", {"aliasing"}),
         ("inductor_inference", {"layouts"}),

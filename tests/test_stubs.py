@@ -10,6 +10,7 @@ from pathlib import Path
 from precompile_gen.capture_result import BACKENDS
 from precompile_gen.cli import main
 from precompile_gen.render import (
+    RUNTIME_SUPPORT,
     DriverFeatures,
     driver_features,
     environment,
@@ -21,8 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_stubs_cover_every_template() -> None:
-    # The stubs render artifact.py.j2; that reaches every template below, and a new
-    # template must be added here (and so to what stubs render).
+    # The stubs render artifact.py.j2; that reaches every template below (each
+    # backend's graph and driver), and a new template must be added here (and so to
+    # what stubs render). The runtime support is carried verbatim, and also checked
+    # by ruff and pyrefly as the plain module it is.
     shared = {
         "artifact.py.j2",
         "header.py.j2",
@@ -31,11 +34,12 @@ def test_stubs_cover_every_template() -> None:
         "main.py.j2",
         "tensor_literals.py.j2",
     }
-    graphs = {f"{b}_graph.py.j2" for b in BACKENDS}
+    backends = {f"{b}_{part}.py.j2" for b in BACKENDS for part in ("graph", "driver")}
     driver = {
         f"driver/{part}.py.j2"
         for part in (
-            "driver",
+            "imports",
+            "checks",
             "errors",
             "arguments",
             "convention",
@@ -43,9 +47,7 @@ def test_stubs_cover_every_template() -> None:
             "dtensors",
             "aliasing",
             "layouts",
-            "fast_path",
             "process_groups",
-            "python_values",
             "grad_resets",
             "gradients",
             "optimizers",
@@ -53,7 +55,35 @@ def test_stubs_cover_every_template() -> None:
             "forward",
         )
     }
-    assert set(environment().list_templates()) == shared | graphs | driver
+    runtime = {RUNTIME_SUPPORT}
+    assert set(environment().list_templates()) == shared | backends | driver | runtime
+
+
+def test_backend_conditionals_live_only_in_the_backends_own_templates() -> None:
+    # The shared concern templates hold what every backend's driver does; what only
+    # one backend does is in its own <backend>_driver.py.j2.
+    shared = (REPO_ROOT / "templates" / "driver").glob("*.j2")
+    for path in shared:
+        assert "cap.backend" not in path.read_text(encoding="utf-8"), path.name
+
+
+def test_runtime_support_is_a_module_ruff_and_pyrefly_check() -> None:
+    # No template logic: the text every artifact carries is the file, so the
+    # project's checks read it directly (pyproject includes templates/runtime).
+    support = REPO_ROOT / "templates" / RUNTIME_SUPPORT
+    text = support.read_text(encoding="utf-8")
+    assert "{{" not in text and "{%" not in text and "{#" not in text
+    assert format_python(text) == text
+    compile(text, str(support), "exec")
+    for command in (["ruff", "check"], ["pyrefly", "check", "-c", "pyproject.toml"]):
+        result = subprocess.run(
+            [sys.executable, "-m", *command, str(support)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_stubs_render_each_driver_feature_both_on_and_off() -> None:

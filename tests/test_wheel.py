@@ -101,8 +101,13 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_wheel_ships_the_templates(wheel: Path) -> None:
     root = REPO_ROOT / "templates"
-    sources = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.j2"))
+    sources = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.suffix in (".j2", ".py") and p.is_file()
+    )
     assert "driver/forward.py.j2" in sources
+    assert "runtime/support.py" in sources
     with zipfile.ZipFile(wheel) as archive:
         shipped = {
             name: archive.read(name)
@@ -158,6 +163,9 @@ def test_installed_wheel_renders_without_the_source_tree(
     assert sorted(p.name for p in template_dir.glob("*.j2")) == sorted(
         p.name for p in (REPO_ROOT / "templates").glob("*.j2")
     )
+    assert (template_dir / "runtime" / "support.py").read_bytes() == (
+        REPO_ROOT / "templates" / "runtime" / "support.py"
+    ).read_bytes()
     backends: tuple[Backend, ...] = ("eager", "inductor")
     for backend in backends:
         rendered = (out / f"stub_{backend}.py").read_text(encoding="utf-8")

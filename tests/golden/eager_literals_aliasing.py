@@ -22,7 +22,9 @@
 # - Every call is validated before anything runs; a violation raises PrecompileError
 #   and leaves the model and its gradients untouched.
 #
-# Sections: 1. compiled graph  2. calling-convention metadata  3. driver.
+# Sections: 1. compiled graph  2. calling-convention metadata  3. driver  4. runtime
+# support, the same in every artifact of this precompile_gen version (its sha256 in
+# its title).
 
 # ====================================================================================
 # 1. Compiled graph: the captured ATen graph, run eagerly
@@ -176,18 +178,11 @@ KERNEL_SOURCES: dict[str, str] = {}
 # ====================================================================================
 # 3. Driver: validate the call, run the graph
 # ====================================================================================
-import reprlib
-import re
 import sys
-import weakref
-from collections.abc import Callable
-from itertools import chain
-from operator import attrgetter
 from typing import Any, NoReturn, cast
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.hooks import RemovableHandle
 
 
 class PrecompileError(RuntimeError):
@@ -239,34 +234,18 @@ def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
     return f"argument {_USER_POSITIONS[leaf_index]}"
 
 
-def _reject_keywords(keywords: dict[str, object]) -> NoReturn:
-    _fail(
-        f"forward() takes positional arguments only ({_SIGNATURE}), as the traced "
-        f"function was captured, but got keyword argument(s) {sorted(keywords)}. "
-        "Pass every argument by position, in the order of the captured call."
-    )
-
-
 def _split_arguments(
     args: tuple[object, ...],
 ) -> tuple[list[torch.nn.Module], list[object]]:
     """Check the call's arguments against the captured example; return the modules
     and the flattened leaves of the other arguments."""
     if len(args) != NUM_POSITIONAL_ARGS:
-        _fail(
-            f"forward() takes {NUM_POSITIONAL_ARGS} positional arguments "
-            f"({_SIGNATURE}), the same as the traced function, but got {len(args)}. "
-            "Pass the module(s) and inputs in the order the function was captured with."
-        )
+        _fail(_arguments_message(len(args), NUM_POSITIONAL_ARGS, _SIGNATURE))
     modules: list[torch.nn.Module] = []
     for position in MODULE_POSITIONS:
         module = args[position]
         if not isinstance(module, torch.nn.Module):
-            _fail(
-                f"argument {position} must be an nn.Module, as in the traced call "
-                f"({_SIGNATURE}), but got {type(module).__name__}. Pass the model "
-                f"at position {position}."
-            )
+            _fail(_not_a_module_message(position, module, _SIGNATURE))
         modules.append(module)
     user_inputs = tuple([args[i] for i in _USER_POSITIONS])
     if _TENSOR_ARGUMENTS and all(type(a) is torch.Tensor for a in user_inputs):
@@ -274,19 +253,9 @@ def _split_arguments(
     else:
         leaves, spec = pytree.tree_flatten(user_inputs)
         if _IN_SPEC is not None and spec != _IN_SPEC:
-            _fail(
-                "the inputs are nested differently from the captured example: "
-                f"expected {pytree.treespec_pprint(_IN_SPEC)}, got "
-                f"{pytree.treespec_pprint(spec)} (the module positions shown as "
-                "omitted). Pass inputs with the example's containers, keys and "
-                "lengths."
-            )
+            _fail(_nesting_message(spec, _IN_SPEC))
         if len(leaves) != len(USER_INPUT_SHAPES):
-            _fail(
-                f"the inputs flatten to {len(leaves)} leaves, but the captured example "
-                f"had {len(USER_INPUT_SHAPES)}. Pass inputs with the example's "
-                "structure."
-            )
+            _fail(_leaf_count_message(len(leaves), len(USER_INPUT_SHAPES)))
     for index, leaf in enumerate(leaves):
         signature = _LEAF_SIGNATURES[index]
         if (
@@ -301,40 +270,14 @@ def _split_arguments(
 def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> None:
     shape = USER_INPUT_SHAPES[index]
     assert shape is not None  # every leaf of this capture is a tensor
-    if not isinstance(leaf, torch.Tensor):
-        _fail(
-            f"{_leaf_name(user_inputs, index)} must be a tensor of shape "
-            f"{_show_shape(shape)}, as in the captured example, but got "
-            f"{type(leaf).__name__}. Pass a tensor there."
-        )
-    if len(leaf.shape) != len(shape) or any(
-        want is not None and got != want for got, want in zip(leaf.shape, shape)
-    ):
-        _fail(
-            f"{_leaf_name(user_inputs, index)} has shape {tuple(leaf.shape)}, but the "
-            f"artifact was captured with shape {_show_shape(shape)}; shapes are "
-            "specialised to the example. Pass that shape, or capture again with "
-            "this one (a dynamic dim can be marked with mark_unbacked on the "
-            "inductor backend)."
-        )
-    if str(leaf.dtype) != USER_INPUT_DTYPES[index]:
-        _fail(
-            f"{_leaf_name(user_inputs, index)} has dtype {leaf.dtype}, but the "
-            f"artifact was captured with {USER_INPUT_DTYPES[index]}. Convert it with "
-            f".to({USER_INPUT_DTYPES[index]}), or capture again with this dtype."
-        )
-    if str(leaf.device) != USER_INPUT_DEVICES[index]:
-        _fail(
-            f"{_leaf_name(user_inputs, index)} is on device {str(leaf.device)!r}, but "
-            f"the artifact was captured on {USER_INPUT_DEVICES[index]!r}. Move it with "
-            f".to({USER_INPUT_DEVICES[index]!r}), or capture again on this device."
-        )
-    _check_sharding(_leaf_name(user_inputs, index), _NUM_STATE + index, leaf)
-
-
-def _show_shape(shape: tuple[int | None, ...]) -> str:
-    # A dynamic dim (None) accepts any size.
-    return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
+    name = _leaf_name(user_inputs, index)
+    problem = _tensor_leaf_problem(
+        name, leaf, shape, USER_INPUT_DTYPES[index], USER_INPUT_DEVICES[index]
+    )
+    if problem is not None:
+        _fail(problem)
+    tensor = cast(torch.Tensor, leaf)
+    _check_sharding(name, _NUM_STATE + index, tensor)
 
 
 _STATE_NAMES: list[str] = PARAM_NAMES + BUFFER_NAMES
@@ -345,85 +288,11 @@ _STATE_REQUIRES_GRAD: list[bool] = PARAM_REQUIRES_GRAD + BUFFER_REQUIRES_GRAD
 _NUM_STATE: int = len(_STATE_NAMES)
 
 
-def named_members(
-    modules: list[torch.nn.Module], kind: str
-) -> list[tuple[str, torch.Tensor]]:
-    """Each module's ``named_parameters`` or ``named_buffers`` (``kind``), aliases of
-    tied tensors included, named as PARAM_NAMES and BUFFER_NAMES name them: with
-    several module arguments, prefixed by the module's index ("m0.", "m1.", ...)."""
-    prefix = len(modules) > 1
-    return [
-        (f"m{index}.{name}" if prefix else name, tensor)
-        for index, module in enumerate(modules)
-        for name, tensor in getattr(module, kind)(remove_duplicate=False)
-    ]
-
-
-def module_state(
-    modules: list[torch.nn.Module],
-) -> tuple[list[torch.Tensor], list[str], int]:
-    """The graph's leading inputs: the modules' parameters, then their buffers, each
-    tensor once; their names (PARAM_NAMES + BUFFER_NAMES); how many are parameters."""
-    tensors: list[torch.Tensor] = []
-    names: list[str] = []
-    seen: set[int] = set()
-    num_params = 0
-    for kind in ("named_parameters", "named_buffers"):
-        for name, tensor in named_members(modules, kind):
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                tensors.append(tensor)
-                names.append(name)
-        num_params = num_params or len(tensors)
-    return tensors, names, num_params
-
-
-# The hooks nn.Module runs around a module's forward and backward, by kind, and the
-# attribute (on each module, and global in torch.nn.modules.module) holding them.
-_HOOK_KINDS: dict[str, str] = {
-    "forward pre-hook": "forward_pre_hooks",
-    "forward hook": "forward_hooks",
-    "backward pre-hook": "backward_pre_hooks",
-    "backward hook": "backward_hooks",
-}
-
-
-def module_hooks(module: torch.nn.Module) -> dict[str, dict[str, int]]:
-    """How many hooks of each kind ``module`` and its submodules have, by module name
-    ("" for ``module`` itself), for the modules that have any."""
-    hooks: dict[str, dict[str, int]] = {}
-    for name, submodule in module.named_modules():
-        counts = {
-            kind: len(registered)
-            for kind, attribute in _HOOK_KINDS.items()
-            if (registered := getattr(submodule, f"_{attribute}"))
-        }
-        if counts:
-            hooks[name] = counts
-    return hooks
-
-
-def global_module_hooks() -> dict[str, int]:
-    """How many hooks of each kind are registered for every module
-    (``torch.nn.modules.module.register_module_forward_hook`` and its kin)."""
-    registry = vars(torch.nn.modules.module)
-    return {
-        kind: len(registered)
-        for kind, attribute in _HOOK_KINDS.items()
-        if (registered := registry[f"_global_{attribute}"])
-    }
-
-
 def _check_module_state(
     modules: list[torch.nn.Module], tensors: list[torch.Tensor], names: list[str]
 ) -> None:
     if names != _STATE_NAMES:
-        _fail(
-            "the model's parameters and buffers differ from the traced model's: "
-            f"{_describe_state_difference(modules, names)}. Pass a model of the traced "
-            "architecture (only weight values may differ), or capture again with "
-            "this model."
-        )
+        _fail(_describe_state_difference(modules, names, _STATE_NAMES))
     for position, (name, tensor, shape, dtype, device, requires_grad) in enumerate(
         zip(
             names,
@@ -434,139 +303,17 @@ def _check_module_state(
             _STATE_REQUIRES_GRAD,
         )
     ):
-        if tuple(tensor.shape) != tuple(shape):
-            _fail(
-                f"the model's {name!r} has shape {tuple(tensor.shape)}, but the traced "
-                f"model's had {tuple(shape)}. Pass a model of the traced architecture, "
-                "or capture again with this model."
-            )
-        if str(tensor.dtype) != dtype:
-            _fail(
-                f"the model's {name!r} has dtype {tensor.dtype}, but the traced "
-                f"model's had {dtype}. Convert the model with .to({dtype}), or capture "
-                "again with this dtype."
-            )
-        if str(tensor.device) != device:
-            _fail(
-                f"the model's {name!r} is on device {str(tensor.device)!r}, but the "
-                f"traced model's was on {device!r}. Move the model with "
-                f".to({device!r}), or capture again on this device."
-            )
-        if tensor.requires_grad != requires_grad:
-            _fail(
-                f"the model's {name!r} has requires_grad={tensor.requires_grad}, but "
-                f"the traced model's had {requires_grad}, and which gradients the "
-                "graph computes was fixed by it. Set it back with "
-                f".requires_grad_({requires_grad}), or capture again with this setting."
-            )
+        problem = _state_tensor_problem(
+            name, tensor, shape, dtype, device, requires_grad
+        )
+        if problem is not None:
+            _fail(problem)
         _check_sharding(f"the model's {name!r}", position, tensor)
-    for index, (module, traced_modes) in enumerate(zip(modules, MODULE_TRAINING)):
-        if [m.training for m in module.modules()] != traced_modes:
-            _fail(_describe_mode_difference(index, module, traced_modes))
-    for index, (module, traced_hooks) in enumerate(zip(modules, MODULE_HOOKS)):
-        hooks = module_hooks(module)
-        if hooks != traced_hooks:
-            _fail(_describe_hook_difference(index, module, hooks, traced_hooks))
-    global_hooks = global_module_hooks()
-    if global_hooks != GLOBAL_MODULE_HOOKS:
-        traced = {"": GLOBAL_MODULE_HOOKS}
-        _fail(_describe_hook_difference(0, None, {"": global_hooks}, traced))
-
-
-def _describe_state_difference(modules: list[torch.nn.Module], names: list[str]) -> str:
-    # Error path only: name every member, aliases of tied tensors included, to tell
-    # a tying difference apart from a missing or renamed member.
-    first_name: dict[int, str] = {}
-    alias_of: dict[str, str] = {}
-    for kind in ("named_parameters", "named_buffers"):
-        for name, tensor in named_members(modules, kind):
-            alias_of[name] = first_name.setdefault(id(tensor), name)
-    missing = [n for n in _STATE_NAMES if n not in names and n not in alias_of]
-    unexpected = [n for n in names if n not in _STATE_NAMES]
-    problems = [
-        f"{n!r} is tied to {alias_of[n]!r} here but was a separate tensor in the "
-        "traced model"
-        for n in _STATE_NAMES
-        if n not in names and n in alias_of
-    ]
-    if missing:
-        problems.append(f"missing {missing}")
-    if unexpected:
-        problems.append(
-            f"unexpected {unexpected} (absent from the traced model, or tied to "
-            "another tensor there)"
-        )
-    if not problems:
-        position = next(
-            i for i, (a, b) in enumerate(zip(names, _STATE_NAMES)) if a != b
-        )
-        problems.append(
-            f"the same names in another order: position {position} holds "
-            f"{names[position]!r} where the traced model had {_STATE_NAMES[position]!r}"
-        )
-    return "; ".join(problems)
-
-
-def _describe_mode_difference(
-    index: int, module: torch.nn.Module, traced_modes: list[bool]
-) -> str:
-    # Error path only: name the first module whose mode differs.
-    named = list(module.named_modules())
-    if len(named) != len(traced_modes):
-        return (
-            f"the model has {len(named)} modules (itself and its submodules), "
-            f"but the traced one had {len(traced_modes)}: a module without parameters "
-            "or buffers was added or removed. Pass a model of the traced architecture, "
-            "or capture again with this model."
-        )
-    name, submodule, was_training = next(
-        (name, m, was)
-        for (name, m), was in zip(named, traced_modes)
-        if m.training != was
+    problem = _mode_and_hook_problem(
+        modules, MODULE_TRAINING, MODULE_HOOKS, GLOBAL_MODULE_HOOKS
     )
-    subject = f"module {name!r}" if name else "the model"
-    now, then = ("eval", "training") if was_training else ("training", "eval")
-    return (
-        f"{subject} ({type(submodule).__name__}) is in {now} mode, but it was in "
-        f"{then} mode when the function was traced, and the graph took that mode's "
-        "branches (batch or running statistics, dropout or none). Put it back in "
-        f"{then} mode with .{'train' if was_training else 'eval'}(), or capture "
-        f"again with it in {now} mode."
-    )
-
-
-def _describe_hook_difference(
-    index: int,
-    module: torch.nn.Module | None,
-    hooks: dict[str, dict[str, int]],
-    traced_hooks: dict[str, dict[str, int]],
-) -> str:
-    # Error path only: name the first module and kind of hook that differs; without
-    # a module, torch's global module hooks.
-    name, kind, now, then = next(
-        (name, kind, now, then)
-        for name in [*traced_hooks, *hooks]
-        for kind in _HOOK_KINDS
-        if (now := hooks.get(name, {}).get(kind, 0))
-        != (then := traced_hooks.get(name, {}).get(kind, 0))
-    )
-    if module is None:
-        subject = "torch's global module hooks (register_module_"
-        subject += f"{_HOOK_KINDS[kind][:-1]}) include"
-    else:
-        subject = f"module {name!r}" if name else "the model"
-        subject += f" ({type(module.get_submodule(name)).__name__}) has"
-    return (
-        f"{subject} {_hook_count(now, kind)} in this call, but "
-        f"{_hook_count(then, kind)} when the function was traced: the graph has the "
-        "hooks the traced call ran built in, and runs no other. Register the same "
-        "hooks as at capture (remove others with their handle's remove()), or "
-        "capture again with these."
-    )
-
-
-def _hook_count(count: int, kind: str) -> str:
-    return f"{count or 'no'} {kind}{'' if count == 1 else 's'}"
+    if problem is not None:
+        _fail(problem)
 
 
 # --- DTensors ----------------------------------------------------------------------
@@ -588,38 +335,13 @@ _ALIAS_OWNER: dict[int, int] = {
 }
 
 
-class _CheckedState:
-    """The modules' tensors, in graph-input order, after the full check; and which of
-    them share a storage, which each call's inputs are compared with."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
-        # Storage pointer -> first position using it; position -> that first position,
-        # for the positions that share one.
-        self.storage_owner: dict[int, int] = {}
-        self.sharing: dict[int, int] = {}
-        for position, tensor in enumerate(tensors):
-            pointer = tensor.untyped_storage().data_ptr()
-            if not pointer:  # an empty storage: nothing to see through another
-                continue
-            owner = self.storage_owner.setdefault(pointer, position)
-            if owner != position:
-                self.sharing[position] = owner
-                self.sharing[owner] = owner
-
-
 def _check_aliasing(
-    args: tuple[object, ...], state: _CheckedState, leaves: list[object]
+    args: tuple[object, ...], state: "_CheckedState", leaves: list[object]
 ) -> None:
     """The graph was traced, and compiled, for the aliasing among its inputs at
     capture (make_fx reads a tensor passed twice as one input; views of one storage
     are compiled as one base at fixed offsets): hold the call to it."""
-    # An empty storage (pointer 0) is no storage: nothing can be seen through it.
-    pointers = [
-        leaf.untyped_storage().data_ptr() if isinstance(leaf, torch.Tensor) else 0
-        for leaf in leaves
-    ]
-    sharing = _sharing(state, pointers)
+    sharing = _sharing(state, list(map(_storage_pointer, leaves)))
     if sharing != _ALIAS_OWNER:
         _fail(_describe_aliasing_difference(args, sharing))
     inputs = [*state.tensors, *leaves]
@@ -637,32 +359,6 @@ def _check_aliasing(
                 )
 
 
-def _sharing(state: _CheckedState, pointers: list[int]) -> dict[int, int]:
-    """Position -> first position sharing its storage, among the model's tensors and
-    the leaves with these storage pointers, for the positions that share one."""
-    sharing = dict(state.sharing)
-    leaf_owners: dict[int, int] = {}
-    for index, pointer in enumerate(pointers):
-        if not pointer:
-            continue
-        position = _NUM_STATE + index
-        owner = state.storage_owner.get(pointer)
-        if owner is None:
-            owner = leaf_owners.setdefault(pointer, position)
-        if owner != position:
-            sharing[position] = owner
-            sharing[owner] = owner
-    return sharing
-
-
-def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
-    # A dim of size 0 or 1 is never stepped over, so its stride does not matter.
-    return all(
-        size <= 1 or got == want
-        for size, got, want in zip(tensor.shape, tensor.stride(), strides)
-    )
-
-
 def _describe_aliasing_difference(
     args: tuple[object, ...], sharing: dict[int, int]
 ) -> str:
@@ -670,7 +366,7 @@ def _describe_aliasing_difference(
     now, then = _groups(sharing), _groups(_ALIAS_OWNER)
     for members in now:
         if members not in then:
-            return _newly_shared(args, members)
+            return _newly_shared(_input_names(args, members))
     members = next(members for members in then if members not in now)
     return (
         f"{_input_names(args, members)} were one tensor (or views of one storage) at "
@@ -678,22 +374,6 @@ def _describe_aliasing_difference(
         "share one storage in this call. Pass them as at capture (the same tensor, "
         "or views of one), or capture again with separate tensors."
     )
-
-
-def _newly_shared(args: tuple[object, ...], members: list[int]) -> str:
-    return (
-        f"{_input_names(args, members)} share one storage in this call (the same "
-        "tensor, or views of one), but did not at capture, and the graph may write "
-        "through one of them and read another. Pass separate tensors (.clone() one of "
-        "them), or capture again with this aliasing."
-    )
-
-
-def _groups(sharing: dict[int, int]) -> list[list[int]]:
-    members: dict[int, list[int]] = {}
-    for position, owner in sorted(sharing.items()):
-        members.setdefault(owner, []).append(position)
-    return list(members.values())
 
 
 def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
@@ -709,237 +389,6 @@ def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1]
 
 
-# --- The fast path for an unchanged model ------------------------------------------
-# The full check walks every module and compares every tensor, which costs more than
-# a small graph's run. What it established is remembered with signals that it still
-# holds, each read in C: the same module objects; the version tag of each module's
-# attribute, parameter, buffer and submodule dicts (any assignment or deletion there,
-# a `training` flag included, changes one); each tensor's dtype, device, shape,
-# strides and requires_grad (``.to()``, ``.data = ...`` and ``requires_grad_()``
-# change those in place, torch's TensorGuards compares them); and each tensor's data
-# pointer (``.data = ...`` with the same shape moves only that); and for the hooks,
-# the id the next hook handle will take (registering any hook takes one) and the
-# version tags of the dicts that held hooks (removing one changes its dict). A call
-# that any signal fails gets the full check again.
-_MEMBER_DICTS = attrgetter("__dict__", "_parameters", "_buffers", "_modules")
-# The full check enumerates exactly those dicts' members, unless a module overrides
-# how nn.Module enumerates them.
-_ENUMERATORS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
-_DATA_PTR = torch.Tensor.data_ptr
-_HOOK_DICTS = attrgetter(*[f"_{attribute}" for attribute in _HOOK_KINDS.values()])
-try:
-    from torch._C._dynamo.guards import TensorGuards, dict_version
-except ImportError:  # internal to torch: without them, every call gets the full check
-    _GUARDED = False
-else:
-    _GUARDED = True
-
-
-class _Remembered:
-    """A model that passed the full check, and how to tell it is unchanged since."""
-
-    def __init__(self, modules: list[torch.nn.Module], state: _CheckedState) -> None:
-        # The call's modules are held weakly, so that the artifact never keeps a model
-        # alive; their submodules' member dicts are held while remembered, so that
-        # their identities and version tags cannot be reused by other objects.
-        self.module_refs = [weakref.ref(module, _forget) for module in modules]
-        everything = [sub for module in modules for sub in module.modules()]
-        self.dicts = [d for m in everything for d in _MEMBER_DICTS(m)]
-        self.dicts += [d for m in everything for d in _HOOK_DICTS(m) if d]
-        registry = vars(torch.nn.modules.module)
-        self.dicts += [
-            hooks
-            for attribute in _HOOK_KINDS.values()
-            if (hooks := registry[f"_global_{attribute}"])
-        ]
-        # Rebinding one of those globals changes the module's own dict.
-        self.dicts.append(registry)
-        self.next_handle_id = RemovableHandle.next_id
-        self.versions = list(map(dict_version, self.dicts))
-        self.state = state
-        tensors = self.tensors = state.tensors
-        self.guarded = tensors
-        self.data_ptrs = list(map(_DATA_PTR, tensors))
-        self.tensor_guard = cast(Any, TensorGuards)(
-            *tensors,
-            dynamic_dims_sizes=[list(t.shape) for t in tensors],
-            dynamic_dims_strides=[list(t.stride()) for t in tensors],
-        )
-
-    def holds_for(self, modules: list[torch.nn.Module]) -> bool:
-        if len(modules) != len(self.module_refs):
-            return False
-        for ref, module in zip(self.module_refs, modules):
-            if ref() is not module:
-                return False
-        return (
-            RemovableHandle.next_id == self.next_handle_id
-            and list(map(dict_version, self.dicts)) == self.versions
-            and bool(self.tensor_guard.check(*self.guarded))
-            and list(map(_DATA_PTR, self.guarded)) == self.data_ptrs
-        )
-
-
-_remembered: _Remembered | None = None
-
-
-def _remembered_state(modules: list[torch.nn.Module]) -> _CheckedState | None:
-    """The modules' checked state if they passed the full check before and nothing
-    it relied on has changed since; otherwise None, and the full check must run."""
-    remembered = _remembered
-    if remembered is not None and remembered.holds_for(modules):
-        return remembered.state
-    return None
-
-
-def _remember(
-    modules: list[torch.nn.Module], tensors: list[torch.Tensor]
-) -> _CheckedState:
-    """The state of modules that just passed the full check, remembered if the
-    signals can vouch for them: plain dicts (an OrderedDict reorders without a new
-    version tag) and nn.Module's own enumeration."""
-    global _remembered
-    _remembered = None
-    state = _CheckedState(tensors)
-    if not _GUARDED:
-        return state
-    everything = [sub for module in modules for sub in module.modules()]
-    if any(
-        type(members) is not dict
-        for members in chain.from_iterable(map(_MEMBER_DICTS, everything))
-    ) or any(
-        getattr(type(module), name) is not getattr(torch.nn.Module, name)
-        for module in everything
-        for name in _ENUMERATORS
-    ):
-        return state
-    try:
-        _remembered = _Remembered(modules, state)
-    except Exception:  # a tensor TensorGuards cannot describe: no fast path for it
-        _remembered = None
-    return state
-
-
-def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
-    # A remembered module was garbage collected: release what was held for it.
-    global _remembered
-    remembered = _remembered
-    if remembered is not None and any(ref is dead for ref in remembered.module_refs):
-        _remembered = None
-
-
-# --- Python values the graph has built in ------------------------------------------
-# make_fx builds every Python value the traced code read (a module's temperature, a
-# config flag, a global) into the graph as a constant. The full check reads each one
-# at its path and compares its repr; what it read through is remembered, so that a
-# call on an unchanged model only confirms each link still holds the same object.
-_PATH_STEP = re.compile(r"\.(\w+)|\[(-?\d+|'[^'\\\]]*')\]")
-_ABSENT = object()
-_UNCHECKED = object()
-# Outside the module arguments' trees, which the fast path watches already: (dict,
-# key, object) for each link that led to a value through a plain dict; the paths
-# whose links are not all such dicts, read again; and each non-module argument a path
-# starts from, held weakly where it can be.
-_python_links: list[tuple[dict[Any, object], object, object]] = []
-_python_rereads: list[tuple[str, object]] = []
-_python_roots: list[tuple[int, Callable[[], object]]] = []
-
-
-def _python_value(
-    args: tuple[object, ...],
-    path: str,
-    links: list[tuple[Any, object, object] | None] | None,
-) -> object:
-    """The value at ``path`` (PYTHON_VALUES' syntax) in this call, _ABSENT where
-    nothing is there, or _UNCHECKED for a path no call can check (the traced function's
-    closure, a module this process has not imported). Each link read through a
-    plain dict is added to ``links`` (a None entry for any other kind of link)."""
-    head, _, accessors = path.partition(": ")
-    if head.startswith("argument "):
-        value: object = args[int(head.removeprefix("argument "))]
-    elif head.startswith("global "):
-        name, _, module = (
-            head.removeprefix("global ").removesuffix(")").partition(" (module ")
-        )
-        namespace = sys.modules.get(module)
-        if namespace is None or name not in vars(namespace):
-            return _UNCHECKED
-        value = vars(namespace)[name]
-        if links is not None:
-            links.append((vars(namespace), name, value))
-    else:
-        return _UNCHECKED
-    # The fast path already watches the module arguments' trees (every module's member
-    # dicts): a link out of one of their modules needs no watching of its own.
-    in_model = isinstance(value, torch.nn.Module)
-    for attribute, key in _PATH_STEP.findall(accessors):
-        watched = in_model and isinstance(value, torch.nn.Module)
-        holder: Any = getattr(value, "__dict__", None) if attribute else value
-        member: object = attribute or (int(key) if key[0] != "'" else key[1:-1])
-        try:
-            value = getattr(value, attribute) if attribute else cast(Any, value)[member]
-        except (AttributeError, LookupError, TypeError):
-            return _ABSENT
-        if links is not None and not watched:
-            plain = type(holder) is dict and holder.get(member, _ABSENT) is value
-            links.append((holder, member, value) if plain else None)
-    return value
-
-
-def _check_python_values(args: tuple[object, ...]) -> None:
-    links: list[tuple[Any, object, object] | None] = []
-    rereads: list[tuple[str, object]] = []
-    roots: set[int] = set()
-    for path, traced in PYTHON_VALUES:
-        path_links: list[tuple[Any, object, object] | None] = []
-        value = _python_value(args, path, path_links)
-        if value is _UNCHECKED:
-            continue
-        if value is _ABSENT or repr(value) != traced:
-            _fail(_describe_python_value(path, value, traced))
-        if None in path_links:
-            rereads.append((path, value))
-        links += path_links
-        if path.startswith("argument "):
-            position = int(path.removeprefix("argument ").partition(":")[0])
-            if not isinstance(args[position], torch.nn.Module):
-                roots.add(position)
-    _python_links[:] = [link for link in links if link is not None]
-    _python_rereads[:] = rereads
-    _python_roots[:] = [(position, _held(args[position])) for position in roots]
-
-
-def _held(value: object) -> Callable[[], object]:
-    try:
-        return weakref.ref(value)
-    except TypeError:
-        return lambda: value
-
-
-def _python_values_hold(args: tuple[object, ...]) -> bool:
-    """Whether what the last full check read the Python values through still holds
-    the same objects."""
-    for position, root in _python_roots:
-        if args[position] is not root():
-            return False
-    for holder, key, value in _python_links:
-        if holder.get(key, _ABSENT) is not value:
-            return False
-    for path, value in _python_rereads:
-        if _python_value(args, path, None) is not value:
-            return False
-    return True
-
-
-def _describe_python_value(path: str, value: object, traced: str) -> str:
-    now = "missing" if value is _ABSENT else reprlib.repr(value)
-    return (
-        f"the Python value at {path} is {now} in this call, but it was {traced} when "
-        "the function was traced, and the graph has that value built in. Set it "
-        f"back to {traced}, or capture again with this value."
-    )
-
-
 _OUT_SPEC: pytree.TreeSpec = pytree.treespec_loads(OUT_SPEC)
 
 
@@ -947,7 +396,7 @@ def forward(*args: object, **keywords: object) -> object:
     """Run the captured computation: ``forward(model, *inputs)`` with the arguments the
     traced function took. Returns the function's result."""
     if keywords:
-        _reject_keywords(keywords)
+        _fail(_keywords_message(keywords, _SIGNATURE))
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
     if state is not None and not _python_values_hold(args):
@@ -955,7 +404,9 @@ def forward(*args: object, **keywords: object) -> object:
     if state is None:
         tensors, names, _ = module_state(modules)
         _check_module_state(modules, tensors, names)
-        _check_python_values(args)
+        problem = _python_values_problem(args, PYTHON_VALUES)
+        if problem is not None:
+            _fail(problem)
         state = _remember(modules, tensors)
     _check_aliasing(args, state, leaves)
     # The graph already contains the backward ops it needs; recording autograd
@@ -968,6 +419,12 @@ def forward(*args: object, **keywords: object) -> object:
     finally:
         torch._C._set_grad_enabled(grad_enabled)
     return pytree.tree_unflatten(flat_outputs, _OUT_SPEC)
+
+
+# ====================================================================================
+# 4. Runtime support (sha256 e3c4b52bcddb2d9dfc0a101aebec4fdc17fe81e50c5fac8515a896e445fc80cf)
+# ====================================================================================
+# (its text: tests/golden/runtime/support.py, pinned once for every golden)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,708 @@
+# Runtime support: code that every artifact of this precompile_gen version carries
+# verbatim, whatever its capture. Section 3 calls it with the capture's own data; the
+# section's title holds this text's sha256, so a reviewer can tell it is the known
+# text (templates/runtime/support.py) without reading it again. It defines no name
+# section 3 uses while the artifact is being executed, only names its functions call.
+# Its functions raise nothing: a failed check returns its message, which section 3
+# raises, so that the one error type is defined before any module-level code runs.
+import re
+import reprlib
+import sys
+import weakref
+from collections.abc import Callable
+from itertools import chain
+from operator import attrgetter
+from typing import Any, cast
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+
+# --- The call's arguments -----------------------------------------------------------
+def _arguments_message(count: int, expected: int, signature: str) -> str:
+    return (
+        f"forward() takes {expected} positional arguments ({signature}), the same as "
+        f"the traced function, but got {count}. Pass the module(s) and inputs in the "
+        "order the function was captured with."
+    )
+
+
+def _not_a_module_message(position: int, argument: object, signature: str) -> str:
+    return (
+        f"argument {position} must be an nn.Module, as in the traced call "
+        f"({signature}), but got {type(argument).__name__}. Pass the model at "
+        f"position {position}."
+    )
+
+
+def _nesting_message(spec: pytree.TreeSpec, expected: pytree.TreeSpec) -> str:
+    return (
+        "the inputs are nested differently from the captured example: expected "
+        f"{pytree.treespec_pprint(expected)}, got {pytree.treespec_pprint(spec)} (the "
+        "module positions shown as omitted). Pass inputs with the example's "
+        "containers, keys and lengths."
+    )
+
+
+def _leaf_count_message(count: int, expected: int) -> str:
+    return (
+        f"the inputs flatten to {count} leaves, but the captured example had "
+        f"{expected}. Pass inputs with the example's structure."
+    )
+
+
+def _keywords_message(keywords: dict[str, object], signature: str) -> str:
+    return (
+        f"forward() takes positional arguments only ({signature}), as the traced "
+        f"function was captured, but got keyword argument(s) {sorted(keywords)}. "
+        "Pass every argument by position, in the order of the captured call."
+    )
+
+
+def _tensor_leaf_problem(
+    name: str,
+    leaf: object,
+    shape: tuple[int | None, ...],
+    dtype: str | None,
+    device: str | None,
+) -> str | None:
+    """What is wrong with the input leaf ``name`` for the example's tensor of this
+    shape (None for a dynamic dim), dtype and device; None if nothing is."""
+    if not isinstance(leaf, torch.Tensor):
+        return (
+            f"{name} must be a tensor of shape {_show_shape(shape)}, as in the "
+            f"captured example, but got {type(leaf).__name__}. Pass a tensor there."
+        )
+    if len(leaf.shape) != len(shape) or any(
+        want is not None and got != want for got, want in zip(leaf.shape, shape)
+    ):
+        return (
+            f"{name} has shape {tuple(leaf.shape)}, but the artifact was captured "
+            f"with shape {_show_shape(shape)}; shapes are specialised to the example. "
+            "Pass that shape, or capture again with this one (a dynamic dim can be "
+            "marked with mark_unbacked on the inductor backend)."
+        )
+    if str(leaf.dtype) != dtype:
+        return (
+            f"{name} has dtype {leaf.dtype}, but the artifact was captured with "
+            f"{dtype}. Convert it with .to({dtype}), or capture again with this dtype."
+        )
+    if str(leaf.device) != device:
+        return (
+            f"{name} is on device {str(leaf.device)!r}, but the artifact was captured "
+            f"on {device!r}. Move it with .to({device!r}), or capture again on this "
+            "device."
+        )
+    return None
+
+
+def _show_shape(shape: tuple[int | None, ...]) -> str:
+    # A dynamic dim (None) accepts any size.
+    return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
+
+
+# --- The module arguments' state ----------------------------------------------------
+def named_members(
+    modules: list[torch.nn.Module], kind: str
+) -> list[tuple[str, torch.Tensor]]:
+    """Each module's ``named_parameters`` or ``named_buffers`` (``kind``), aliases of
+    tied tensors included, named as PARAM_NAMES and BUFFER_NAMES name them: with
+    several module arguments, prefixed by the module's index ("m0.", "m1.", ...)."""
+    prefix = len(modules) > 1
+    return [
+        (f"m{index}.{name}" if prefix else name, tensor)
+        for index, module in enumerate(modules)
+        for name, tensor in getattr(module, kind)(remove_duplicate=False)
+    ]
+
+
+def module_state(
+    modules: list[torch.nn.Module],
+) -> tuple[list[torch.Tensor], list[str], int]:
+    """The graph's leading inputs: the modules' parameters, then their buffers, each
+    tensor once; their names (PARAM_NAMES + BUFFER_NAMES); how many are parameters."""
+    tensors: list[torch.Tensor] = []
+    names: list[str] = []
+    seen: set[int] = set()
+    num_params = 0
+    for kind in ("named_parameters", "named_buffers"):
+        for name, tensor in named_members(modules, kind):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append(tensor)
+                names.append(name)
+        num_params = num_params or len(tensors)
+    return tensors, names, num_params
+
+
+# The hooks nn.Module runs around a module's forward and backward, by kind, and the
+# attribute (on each module, and global in torch.nn.modules.module) holding them.
+_HOOK_KINDS: dict[str, str] = {
+    "forward pre-hook": "forward_pre_hooks",
+    "forward hook": "forward_hooks",
+    "backward pre-hook": "backward_pre_hooks",
+    "backward hook": "backward_hooks",
+}
+
+
+def module_hooks(module: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """How many hooks of each kind ``module`` and its submodules have, by module name
+    ("" for ``module`` itself), for the modules that have any."""
+    hooks: dict[str, dict[str, int]] = {}
+    for name, submodule in module.named_modules():
+        counts = {
+            kind: len(registered)
+            for kind, attribute in _HOOK_KINDS.items()
+            if (registered := getattr(submodule, f"_{attribute}"))
+        }
+        if counts:
+            hooks[name] = counts
+    return hooks
+
+
+def global_module_hooks() -> dict[str, int]:
+    """How many hooks of each kind are registered for every module
+    (``torch.nn.modules.module.register_module_forward_hook`` and its kin)."""
+    registry = vars(torch.nn.modules.module)
+    return {
+        kind: len(registered)
+        for kind, attribute in _HOOK_KINDS.items()
+        if (registered := registry[f"_global_{attribute}"])
+    }
+
+
+def _state_tensor_problem(
+    name: str,
+    tensor: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: str,
+    device: str,
+    requires_grad: bool,
+) -> str | None:
+    """What is wrong with the model's tensor ``name`` for the traced model's of this
+    shape, dtype, device and requires_grad; None if nothing is."""
+    if tuple(tensor.shape) != tuple(shape):
+        return (
+            f"the model's {name!r} has shape {tuple(tensor.shape)}, but the traced "
+            f"model's had {tuple(shape)}. Pass a model of the traced architecture, "
+            "or capture again with this model."
+        )
+    if str(tensor.dtype) != dtype:
+        return (
+            f"the model's {name!r} has dtype {tensor.dtype}, but the traced "
+            f"model's had {dtype}. Convert the model with .to({dtype}), or capture "
+            "again with this dtype."
+        )
+    if str(tensor.device) != device:
+        return (
+            f"the model's {name!r} is on device {str(tensor.device)!r}, but the "
+            f"traced model's was on {device!r}. Move the model with "
+            f".to({device!r}), or capture again on this device."
+        )
+    if tensor.requires_grad != requires_grad:
+        return (
+            f"the model's {name!r} has requires_grad={tensor.requires_grad}, but "
+            f"the traced model's had {requires_grad}, and which gradients the "
+            "graph computes was fixed by it. Set it back with "
+            f".requires_grad_({requires_grad}), or capture again with this setting."
+        )
+    return None
+
+
+def _mode_and_hook_problem(
+    modules: list[torch.nn.Module],
+    module_training: list[list[bool]],
+    module_hooks_traced: list[dict[str, dict[str, int]]],
+    global_hooks_traced: dict[str, int],
+) -> str | None:
+    """What differs from the traced modules' train/eval modes (MODULE_TRAINING) and
+    hooks (MODULE_HOOKS, GLOBAL_MODULE_HOOKS); None if nothing does."""
+    several = len(modules) > 1
+    for index, (module, traced_modes) in enumerate(zip(modules, module_training)):
+        if [m.training for m in module.modules()] != traced_modes:
+            return _describe_mode_difference(index, module, traced_modes, several)
+    for index, (module, traced_hooks) in enumerate(zip(modules, module_hooks_traced)):
+        hooks = module_hooks(module)
+        if hooks != traced_hooks:
+            return _describe_hook_difference(
+                _subject(index, several), module, hooks, traced_hooks
+            )
+    global_hooks = global_module_hooks()
+    if global_hooks != global_hooks_traced:
+        traced = {"": global_hooks_traced}
+        return _describe_hook_difference(None, None, {"": global_hooks}, traced)
+    return None
+
+
+def _describe_state_difference(
+    modules: list[torch.nn.Module], names: list[str], traced_names: list[str]
+) -> str:
+    # Error path only: name every member, aliases of tied tensors included, to tell
+    # a tying difference apart from a missing or renamed member.
+    first_name: dict[int, str] = {}
+    alias_of: dict[str, str] = {}
+    for kind in ("named_parameters", "named_buffers"):
+        for name, tensor in named_members(modules, kind):
+            alias_of[name] = first_name.setdefault(id(tensor), name)
+    missing = [n for n in traced_names if n not in names and n not in alias_of]
+    unexpected = [n for n in names if n not in traced_names]
+    problems = [
+        f"{n!r} is tied to {alias_of[n]!r} here but was a separate tensor in the "
+        "traced model"
+        for n in traced_names
+        if n not in names and n in alias_of
+    ]
+    if missing:
+        problems.append(f"missing {missing}")
+    if unexpected:
+        problems.append(
+            f"unexpected {unexpected} (absent from the traced model, or tied to "
+            "another tensor there)"
+        )
+    if not problems:
+        position = next(
+            i for i, (a, b) in enumerate(zip(names, traced_names)) if a != b
+        )
+        problems.append(
+            f"the same names in another order: position {position} holds "
+            f"{names[position]!r} where the traced model had {traced_names[position]!r}"
+        )
+    return (
+        "the model's parameters and buffers differ from the traced model's: "
+        f"{'; '.join(problems)}. Pass a model of the traced architecture (only weight "
+        "values may differ), or capture again with this model."
+    )
+
+
+def _subject(index: int, several: bool) -> Callable[[str], str]:
+    """How messages name a submodule (by its name in module ``index``)."""
+    if several:
+        return lambda name: (
+            f"module {'.'.join(part for part in (f'm{index}', name) if part)!r}"
+        )
+    return lambda name: f"module {name!r}" if name else "the model"
+
+
+def _describe_mode_difference(
+    index: int, module: torch.nn.Module, traced_modes: list[bool], several: bool
+) -> str:
+    # Error path only: name the first module whose mode differs.
+    named = list(module.named_modules())
+    if len(named) != len(traced_modes):
+        whole = f"module 'm{index}'" if several else "the model"
+        return (
+            f"{whole} has {len(named)} modules (itself and its submodules), "
+            f"but the traced one had {len(traced_modes)}: a module without parameters "
+            "or buffers was added or removed. Pass a model of the traced architecture, "
+            "or capture again with this model."
+        )
+    name, submodule, was_training = next(
+        (name, m, was)
+        for (name, m), was in zip(named, traced_modes)
+        if m.training != was
+    )
+    now, then = ("eval", "training") if was_training else ("training", "eval")
+    return (
+        f"{_subject(index, several)(name)} ({type(submodule).__name__}) is in {now} "
+        f"mode, but it was in {then} mode when the function was traced, and the "
+        "graph took that mode's branches (batch or running statistics, dropout or "
+        f"none). Put it back in {then} mode with "
+        f".{'train' if was_training else 'eval'}(), or capture again with it in "
+        f"{now} mode."
+    )
+
+
+def _describe_hook_difference(
+    subject: Callable[[str], str] | None,
+    module: torch.nn.Module | None,
+    hooks: dict[str, dict[str, int]],
+    traced_hooks: dict[str, dict[str, int]],
+) -> str:
+    # Error path only: name the first module and kind of hook that differs; without
+    # a module, torch's global module hooks.
+    name, kind, now, then = next(
+        (name, kind, now, then)
+        for name in [*traced_hooks, *hooks]
+        for kind in _HOOK_KINDS
+        if (now := hooks.get(name, {}).get(kind, 0))
+        != (then := traced_hooks.get(name, {}).get(kind, 0))
+    )
+    if subject is None or module is None:
+        where = "torch's global module hooks (register_module_"
+        where += f"{_HOOK_KINDS[kind][:-1]}) include"
+    else:
+        where = f"{subject(name)} ({type(module.get_submodule(name)).__name__}) has"
+    return (
+        f"{where} {_hook_count(now, kind)} in this call, but "
+        f"{_hook_count(then, kind)} when the function was traced: the graph has the "
+        "hooks the traced call ran built in, and runs no other. Register the same "
+        "hooks as at capture (remove others with their handle's remove()), or "
+        "capture again with these."
+    )
+
+
+def _hook_count(count: int, kind: str) -> str:
+    return f"{count or 'no'} {kind}{'' if count == 1 else 's'}"
+
+
+# --- Storages shared among the graph's inputs ---------------------------------------
+def _storage_pointer(value: object) -> int:
+    """The data pointer of the storage ``value`` reads; 0 for none (not a tensor, or
+    an empty storage). A DTensor holds no storage of its own: its local shard's."""
+    if type(value) is not torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            return 0
+        value = cast(torch.Tensor, getattr(value, "_local_tensor", value))
+    return value.untyped_storage().data_ptr()
+
+
+class _CheckedState:
+    """The modules' tensors, in graph-input order, after the full check; and which of
+    them share a storage, which each call's inputs are compared with."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        # Storage pointer -> first position using it; position -> that first position,
+        # for the positions that share one.
+        self.storage_owner: dict[int, int] = {}
+        self.sharing: dict[int, int] = {}
+        for position, tensor in enumerate(tensors):
+            pointer = _storage_pointer(tensor)
+            if not pointer:  # an empty storage: nothing to see through another
+                continue
+            owner = self.storage_owner.setdefault(pointer, position)
+            if owner != position:
+                self.sharing[position] = owner
+                self.sharing[owner] = owner
+
+
+def _newly_shared_positions(state: _CheckedState, leaves: list[object]) -> list[int]:
+    """For a capture whose inputs shared no storage: the positions among the graph's
+    inputs of the first group that shares one in this call; [] if none does."""
+    # An empty storage (pointer 0) is no storage: nothing can be seen through it.
+    pointers = list(map(_storage_pointer, leaves))
+    used = [pointer for pointer in pointers if pointer]
+    if (
+        not state.sharing
+        and len(set(used)) == len(used)
+        and state.storage_owner.keys().isdisjoint(used)
+    ):
+        return []
+    return _groups(_sharing(state, pointers))[0]
+
+
+def _sharing(state: _CheckedState, pointers: list[int]) -> dict[int, int]:
+    """Position -> first position sharing its storage, among the model's tensors and
+    the leaves with these storage pointers, for the positions that share one."""
+    sharing = dict(state.sharing)
+    leaf_owners: dict[int, int] = {}
+    for index, pointer in enumerate(pointers):
+        if not pointer:
+            continue
+        position = len(state.tensors) + index
+        owner = state.storage_owner.get(pointer)
+        if owner is None:
+            owner = leaf_owners.setdefault(pointer, position)
+        if owner != position:
+            sharing[position] = owner
+            sharing[owner] = owner
+    return sharing
+
+
+def _groups(sharing: dict[int, int]) -> list[list[int]]:
+    members: dict[int, list[int]] = {}
+    for position, owner in sorted(sharing.items()):
+        members.setdefault(owner, []).append(position)
+    return list(members.values())
+
+
+def _newly_shared(names: str) -> str:
+    return (
+        f"{names} share one storage in this call (the same tensor, or views of one), "
+        "but did not at capture, and the graph may write through one of them and "
+        "read another. Pass separate tensors (.clone() one of them), or capture "
+        "again with this aliasing."
+    )
+
+
+def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    # A dim of size 0 or 1 is never stepped over, so its stride does not matter.
+    return all(
+        size <= 1 or got == want
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides)
+    )
+
+
+# --- The fast path for an unchanged model ------------------------------------------
+# The full check walks every module and compares every tensor, which costs more than
+# a small graph's run. What it established is remembered with signals that it still
+# holds, each read in C: the same module objects; the version tag of each module's
+# attribute, parameter, buffer and submodule dicts (any assignment or deletion there,
+# a `training` flag included, changes one); each tensor's dtype, device, shape,
+# strides and requires_grad (``.to()``, ``.data = ...`` and ``requires_grad_()``
+# change those in place, torch's TensorGuards compares them); and each tensor's data
+# pointer (``.data = ...`` with the same shape moves only that); and for the hooks,
+# the id the next hook handle will take (registering any hook takes one) and the
+# version tags of the dicts that held hooks (removing one changes its dict). A call
+# that any signal fails gets the full check again.
+_MEMBER_DICTS = attrgetter("__dict__", "_parameters", "_buffers", "_modules")
+# The full check enumerates exactly those dicts' members, unless a module overrides
+# how nn.Module enumerates them.
+_ENUMERATORS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
+_DATA_PTR = torch.Tensor.data_ptr
+_HOOK_DICTS = attrgetter(*[f"_{attribute}" for attribute in _HOOK_KINDS.values()])
+try:
+    from torch._C._dynamo.guards import TensorGuards, dict_version
+except ImportError:  # internal to torch: without them, every call gets the full check
+    _GUARDED = False
+else:
+    _GUARDED = True
+
+
+class _Remembered:
+    """A model that passed the full check, and how to tell it is unchanged since."""
+
+    def __init__(self, modules: list[torch.nn.Module], state: _CheckedState) -> None:
+        # The call's modules are held weakly, so that the artifact never keeps a model
+        # alive; their submodules' member dicts are held while remembered, so that
+        # their identities and version tags cannot be reused by other objects.
+        self.module_refs = [weakref.ref(module, _forget) for module in modules]
+        everything = [sub for module in modules for sub in module.modules()]
+        self.dicts = [d for m in everything for d in _MEMBER_DICTS(m)]
+        self.dicts += [d for m in everything for d in _HOOK_DICTS(m) if d]
+        registry = vars(torch.nn.modules.module)
+        self.dicts += [
+            hooks
+            for attribute in _HOOK_KINDS.values()
+            if (hooks := registry[f"_global_{attribute}"])
+        ]
+        # Rebinding one of those globals changes the module's own dict.
+        self.dicts.append(registry)
+        self.next_handle_id = RemovableHandle.next_id
+        self.versions = list(map(dict_version, self.dicts))
+        self.state = state
+        tensors = self.tensors = state.tensors
+        # A DTensor's data pointer is 0 and its placements are its spec's: what
+        # holds its data is its local shard, guarded as the other tensors are, and
+        # its spec is remembered by identity (redistributing makes a new one).
+        self.shards = [
+            (tensor, tensor._local_tensor, tensor._spec)
+            for tensor in cast(list[Any], tensors)
+            if type(tensor) is not torch.Tensor and hasattr(tensor, "_local_tensor")
+        ]
+        tensors = self.guarded = [*tensors, *(local for _, local, _ in self.shards)]
+        self.data_ptrs = list(map(_DATA_PTR, tensors))
+        self.tensor_guard = cast(Any, TensorGuards)(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
+
+    def holds_for(self, modules: list[torch.nn.Module]) -> bool:
+        if len(modules) != len(self.module_refs):
+            return False
+        for ref, module in zip(self.module_refs, modules):
+            if ref() is not module:
+                return False
+        return (
+            RemovableHandle.next_id == self.next_handle_id
+            and list(map(dict_version, self.dicts)) == self.versions
+            and bool(self.tensor_guard.check(*self.guarded))
+            and list(map(_DATA_PTR, self.guarded)) == self.data_ptrs
+            and (not self.shards or self.same_shards())
+        )
+
+    def same_shards(self) -> bool:
+        return all(
+            tensor._local_tensor is local and tensor._spec is spec
+            for tensor, local, spec in self.shards
+        )
+
+
+_remembered: _Remembered | None = None
+
+
+def _remembered_state(modules: list[torch.nn.Module]) -> _CheckedState | None:
+    """The modules' checked state if they passed the full check before and nothing
+    it relied on has changed since; otherwise None, and the full check must run."""
+    remembered = _remembered
+    if remembered is not None and remembered.holds_for(modules):
+        return remembered.state
+    return None
+
+
+def _remember(
+    modules: list[torch.nn.Module], tensors: list[torch.Tensor]
+) -> _CheckedState:
+    """The state of modules that just passed the full check, remembered if the
+    signals can vouch for them: plain dicts (an OrderedDict reorders without a new
+    version tag) and nn.Module's own enumeration."""
+    global _remembered
+    _remembered = None
+    state = _CheckedState(tensors)
+    if not _GUARDED:
+        return state
+    everything = [sub for module in modules for sub in module.modules()]
+    if any(
+        type(members) is not dict
+        for members in chain.from_iterable(map(_MEMBER_DICTS, everything))
+    ) or any(
+        getattr(type(module), name) is not getattr(torch.nn.Module, name)
+        for module in everything
+        for name in _ENUMERATORS
+    ):
+        return state
+    try:
+        _remembered = _Remembered(modules, state)
+    except Exception:  # a tensor TensorGuards cannot describe: no fast path for it
+        _remembered = None
+    return state
+
+
+def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
+    # A remembered module was garbage collected: release what was held for it.
+    global _remembered
+    remembered = _remembered
+    if remembered is not None and any(ref is dead for ref in remembered.module_refs):
+        _remembered = None
+
+
+# --- Python values the graph has built in ------------------------------------------
+# make_fx builds every Python value the traced code read (a module's temperature, a
+# config flag, a global) into the graph as a constant. The full check reads each one
+# at its path and compares its repr; what it read through is remembered, so that a
+# call on an unchanged model only confirms each link still holds the same object.
+_PATH_STEP = re.compile(r"\.(\w+)|\[(-?\d+|'[^'\\\]]*')\]")
+_ABSENT = object()
+_UNCHECKED = object()
+# Outside the module arguments' trees, which the fast path watches already: (dict,
+# key, object) for each link that led to a value through a plain dict; the paths
+# whose links are not all such dicts, read again; and each non-module argument a path
+# starts from, held weakly where it can be.
+_python_links: list[tuple[dict[Any, object], object, object]] = []
+_python_rereads: list[tuple[str, object]] = []
+_python_roots: list[tuple[int, Callable[[], object]]] = []
+
+
+def _python_value(
+    args: tuple[object, ...],
+    path: str,
+    links: list[tuple[Any, object, object] | None] | None,
+) -> object:
+    """The value at ``path`` (PYTHON_VALUES' syntax) in this call, _ABSENT where
+    nothing is there, or _UNCHECKED for a path no call can check (the traced function's
+    closure, a module this process has not imported). Each link read through a
+    plain dict is added to ``links`` (a None entry for any other kind of link)."""
+    head, _, accessors = path.partition(": ")
+    if head.startswith("argument "):
+        value: object = args[int(head.removeprefix("argument "))]
+    elif head.startswith("global "):
+        name, _, module = (
+            head.removeprefix("global ").removesuffix(")").partition(" (module ")
+        )
+        namespace = sys.modules.get(module)
+        if namespace is None or name not in vars(namespace):
+            return _UNCHECKED
+        value = vars(namespace)[name]
+        if links is not None:
+            links.append((vars(namespace), name, value))
+    else:
+        return _UNCHECKED
+    # The fast path already watches the module arguments' trees (every module's member
+    # dicts): a link out of one of their modules needs no watching of its own.
+    in_model = isinstance(value, torch.nn.Module)
+    for attribute, key in _PATH_STEP.findall(accessors):
+        watched = in_model and isinstance(value, torch.nn.Module)
+        holder: Any = getattr(value, "__dict__", None) if attribute else value
+        member: object = attribute or (int(key) if key[0] != "'" else key[1:-1])
+        try:
+            value = getattr(value, attribute) if attribute else cast(Any, value)[member]
+        except (AttributeError, LookupError, TypeError):
+            return _ABSENT
+        if links is not None and not watched:
+            plain = type(holder) is dict and holder.get(member, _ABSENT) is value
+            links.append((holder, member, value) if plain else None)
+    return value
+
+
+def _python_values_problem(
+    args: tuple[object, ...], python_values: list[tuple[str, str]]
+) -> str | None:
+    """Read each of ``python_values`` (PYTHON_VALUES) in this call: what differs from
+    the traced value, or None when none does, having remembered what was read."""
+    links: list[tuple[Any, object, object] | None] = []
+    rereads: list[tuple[str, object]] = []
+    roots: set[int] = set()
+    for path, traced in python_values:
+        path_links: list[tuple[Any, object, object] | None] = []
+        value = _python_value(args, path, path_links)
+        if value is _UNCHECKED:
+            continue
+        if value is _ABSENT or repr(value) != traced:
+            return _describe_python_value(path, value, traced)
+        if None in path_links:
+            rereads.append((path, value))
+        links += path_links
+        if path.startswith("argument "):
+            position = int(path.removeprefix("argument ").partition(":")[0])
+            if not isinstance(args[position], torch.nn.Module):
+                roots.add(position)
+    _python_links[:] = [link for link in links if link is not None]
+    _python_rereads[:] = rereads
+    _python_roots[:] = [(position, _held(args[position])) for position in roots]
+    return None
+
+
+def _held(value: object) -> Callable[[], object]:
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
+
+
+def _python_values_hold(args: tuple[object, ...]) -> bool:
+    """Whether what the last full check read the Python values through still holds
+    the same objects."""
+    for position, root in _python_roots:
+        if args[position] is not root():
+            return False
+    for holder, key, value in _python_links:
+        if holder.get(key, _ABSENT) is not value:
+            return False
+    for path, value in _python_rereads:
+        if _python_value(args, path, None) is not value:
+            return False
+    return True
+
+
+def _describe_python_value(path: str, value: object, traced: str) -> str:
+    now = "missing" if value is _ABSENT else reprlib.repr(value)
+    return (
+        f"the Python value at {path} is {now} in this call, but it was {traced} when "
+        "the function was traced, and the graph has that value built in. Set it "
+        f"back to {traced}, or capture again with this value."
+    )
+
+
+# --- Gradients ----------------------------------------------------------------------
+def _run_grad_hooks(
+    hooks: dict[int, Callable[..., Any]], grad: torch.Tensor
+) -> torch.Tensor:
+    # Hooks from param.register_hook() see, and may replace, each gradient before it
+    # is added to .grad, as in eager backward (which runs them without grad mode).
+    with torch.no_grad():
+        for hook in list(hooks.values()):
+            replaced = hook(grad)
+            if replaced is not None:
+                grad = replaced
+    return grad
+
+
+def _run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    # Hooks from param.register_post_accumulate_grad_hook() run once .grad is updated.
+    hooks = param._post_accumulate_grad_hooks
+    if hooks:
+        with torch.no_grad():
+            for hook in list(hooks.values()):
+                hook(param)
