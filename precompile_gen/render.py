@@ -193,9 +193,14 @@ def environment() -> jinja2.Environment:
     env.filters["assignment"] = assignment
     env.filters["comment_text"] = comment_text
     env.filters["columns"] = columns
-    # A section title's rule fills the line: "# " and the rule, short of the limit.
-    env.globals["rule_width"] = BLACK_LINE_LENGTH - 4
+    env.filters["section_rule"] = section_rule
     return env
+
+
+def section_rule(character: str) -> str:
+    """A section title's rule, ``character`` repeated to the width the artifact's
+    titles take: the line limit, less the comment's "# " and a margin."""
+    return character * (BLACK_LINE_LENGTH - 4)
 
 
 def columns(rows: list[list[str]]) -> list[str]:
@@ -204,7 +209,9 @@ def columns(rows: list[list[str]]) -> list[str]:
     cells = [[comment_text(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        "  ".join(
+            cell.ljust(width) for cell, width in zip(row, widths, strict=True)
+        ).rstrip()
         for row in cells
     ]
 
@@ -377,8 +384,7 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
     roles = _input_roles(cap)
     if graph.positional_names:
         input_rows = [["inductor", "input", "what"]] + [
-            list(row)
-            for row in zip(graph.positional_names, names, roles, strict=True)
+            list(row) for row in zip(graph.positional_names, names, roles, strict=True)
         ]
     else:
         input_rows = [["input", "what"]] + [
@@ -435,7 +441,8 @@ def _tensor_rows(cap: CaptureResult) -> list[list[str]]:
     names = cap.graph.input_names
     rows = [["input", "name", "shape", "stride", "dtype", "device", "grad"]]
     state = [*cap.params, *cap.buffers]
-    for name, tensor in zip(names, state):
+    num_state = len(state)
+    for name, tensor in zip(names[:num_state], state, strict=True):
         rows.append(
             [
                 name,
@@ -447,17 +454,22 @@ def _tensor_rows(cap: CaptureResult) -> list[list[str]]:
                 "requires grad" if tensor.requires_grad else "no",
             ]
         )
-    for index, (name, leaf) in enumerate(zip(names[len(state) :], cap.leaves)):
+    leaf_names = names[num_state : num_state + len(cap.leaves)]
+    for index, (name, leaf) in enumerate(zip(leaf_names, cap.leaves, strict=True)):
         if leaf.shape is None:
             value = "-" if leaf.value is None else f"= {leaf.value!r}"
-            rows.append([name, f"leaf {index}", value, "-", "-", "-", "-"])
+            rows.append([name, f"input leaf {index}", value, "-", "-", "-", "-"])
             continue
         symbols = leaf.symbols or {}
-        shape = [symbols.get(dim, "?") if size is None else size for dim, size in enumerate(leaf.shape)]
+        # A dynamic dim by its symbol: dims that share one have equal sizes.
+        shape = [
+            symbols.get(dim, "?") if size is None else size
+            for dim, size in enumerate(leaf.shape)
+        ]
         rows.append(
             [
                 name,
-                f"leaf {index}",
+                f"input leaf {index}",
                 _tuple_text(tuple(shape)),
                 "any" if leaf.stride is None else _tuple_text(leaf.stride),
                 (leaf.dtype or "-").removeprefix("torch."),
