@@ -285,7 +285,7 @@ class CompiledGraph:
     """The compiled graph, spliced verbatim into the artifact, with what it needs."""
 
     # Defines ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self,
-    # flat)`` (eager, wrapped into ``call`` by the eager graph template).
+    # *inputs)`` (eager, wrapped into ``call`` by the eager graph template).
     source: str
     # Inputs of the graph after the user-input leaves, written out as literals.
     tensor_literals: list[TensorLiteral]
