@@ -209,7 +209,13 @@ def _eager_graph(
     _name_inputs(gm, input_names)
     source = _graph_function(gm, "_graph_forward")
     source += "".join(f"\n\n{code}" for _, code in branches)
-    imports = [builtin.import_str for builtin in _custom_builtins.values()]
+    # Only those the code uses: with its inputs as parameters, it no longer unpacks
+    # them with fx_pytree nor packs its result with pytree.
+    imports = [
+        builtin.import_str
+        for name, builtin in _custom_builtins.items()
+        if re.search(rf"\b{re.escape(name)}\b", source)
+    ]
     return source, imports, [name for name, _ in branches]
 
 

@@ -24,7 +24,12 @@ from pathlib import Path
 import jinja2
 
 from precompile_gen import inductor_imports
-from precompile_gen.capture_result import CaptureResult, metadata_constants
+from precompile_gen.capture_result import (
+    CaptureResult,
+    InputLeaf,
+    StateTensor,
+    metadata_constants,
+)
 
 # A comment line, which black leaves alone at module level; replaced by the graph.
 GRAPH_MARKER = "# <precompile_gen: compiled graph>"
@@ -439,45 +444,60 @@ def _input_roles(cap: CaptureResult) -> list[str]:
 
 def _tensor_rows(cap: CaptureResult) -> list[list[str]]:
     names = cap.graph.input_names
-    rows = [["input", "name", "shape", "stride", "dtype", "device", "grad"]]
     state = [*cap.params, *cap.buffers]
     num_state = len(state)
-    for name, tensor in zip(names[:num_state], state, strict=True):
-        rows.append(
-            [
-                name,
-                tensor.name,
-                _tuple_text(tensor.shape),
-                "any" if tensor.stride is None else _tuple_text(tensor.stride),
-                tensor.dtype.removeprefix("torch."),
-                tensor.device,
-                "requires grad" if tensor.requires_grad else "no",
-            ]
-        )
     leaf_names = names[num_state : num_state + len(cap.leaves)]
-    for index, (name, leaf) in enumerate(zip(leaf_names, cap.leaves, strict=True)):
-        if leaf.shape is None:
-            value = "-" if leaf.value is None else f"= {leaf.value!r}"
-            rows.append([name, f"input leaf {index}", value, "-", "-", "-", "-"])
-            continue
-        symbols = leaf.symbols or {}
-        # A dynamic dim by its symbol: dims that share one have equal sizes.
-        shape = [
-            symbols.get(dim, "?") if size is None else size
-            for dim, size in enumerate(leaf.shape)
-        ]
-        rows.append(
-            [
-                name,
-                f"input leaf {index}",
-                _tuple_text(tuple(shape)),
-                "any" if leaf.stride is None else _tuple_text(leaf.stride),
-                (leaf.dtype or "-").removeprefix("torch."),
-                leaf.device or "-",
-                "-",
-            ]
-        )
-    return rows
+    return [
+        ["input", "name", "shape", "stride", "dtype", "device", "requires grad"],
+        *(
+            _state_row(name, tensor)
+            for name, tensor in zip(names[:num_state], state, strict=True)
+        ),
+        *(
+            _leaf_row(name, index, leaf)
+            for index, (name, leaf) in enumerate(
+                zip(leaf_names, cap.leaves, strict=True)
+            )
+        ),
+    ]
+
+
+def _state_row(name: str, tensor: StateTensor) -> list[str]:
+    return [
+        name,
+        tensor.name,
+        _tuple_text(tensor.shape),
+        _stride_text(tensor.stride),
+        tensor.dtype.removeprefix("torch."),
+        tensor.device,
+        "yes" if tensor.requires_grad else "no",
+    ]
+
+
+def _leaf_row(name: str, index: int, leaf: InputLeaf) -> list[str]:
+    if leaf.shape is None:
+        value = "-" if leaf.value is None else f"= {leaf.value!r}"
+        return [name, f"input leaf {index}", value, "-", "-", "-", "-"]
+    # A dynamic dim by its symbol: dims that share one have equal sizes.
+    symbols = leaf.symbols or {}
+    shape = [
+        symbols.get(dim, "?") if size is None else size
+        for dim, size in enumerate(leaf.shape)
+    ]
+    return [
+        name,
+        f"input leaf {index}",
+        _tuple_text(tuple(shape)),
+        _stride_text(leaf.stride),
+        (leaf.dtype or "-").removeprefix("torch."),
+        leaf.device or "-",
+        "-",
+    ]
+
+
+def _stride_text(stride: tuple[int, ...] | None) -> str:
+    # None: the compiled graph takes any layout there.
+    return "any" if stride is None else _tuple_text(stride)
 
 
 def _tuple_text(values: tuple[object, ...]) -> str:

@@ -149,12 +149,13 @@ def test_metadata_tabulates_each_tensor_and_input_leaf() -> None:
     table = code[code.index("# The graph's inputs at a glance") :]
     table = table[: table.index("\nPARAM_NAMES")]
     rows = [
-        r"#   input\s+name\s+shape\s+stride\s+dtype\s+device\s+grad",
+        r"#   input\s+name\s+shape\s+stride\s+dtype\s+device\s+requires grad\n",
         r"#   p_lin_weight\s+lin\.weight\s+\(3, 4\)\s+\(4, 1\)\s+float32\s+cpu"
-        r"\s+requires grad",
+        r"\s+yes\n",
         r"#   b_bn_num_batches_tracked\s+bn\.num_batches_tracked\s+\(\)\s+\(\)\s+"
-        r"int64\s+cpu\s+no",
-        r"#   batch_input_ids\s+input leaf 0\s+\(2, 4\)\s+\(4, 1\)\s+float32\s+cpu\s+-",
+        r"int64\s+cpu\s+no\n",
+        r"#   batch_input_ids\s+input leaf 0\s+\(2, 4\)\s+\(4, 1\)\s+float32\s+cpu"
+        r"\s+-\n",
         r"#   xs_1\s+input leaf 3\s+\(2, 3\)",
     ]
     for row in rows:

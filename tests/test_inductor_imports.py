@@ -20,8 +20,11 @@ _AUTOTUNING_BLOCK = (
     "async_compile = AsyncCompile()\n"
     '"""\n'
 )
-_MODULE = "import torch\n" + _AUTOTUNING_BLOCK + textwrap.dedent(
-    '''\
+_MODULE = (
+    "import torch\n"
+    + _AUTOTUNING_BLOCK
+    + textwrap.dedent(
+        """\
     from torch._inductor.hooks import run_intermediate_hooks
     from torch._inductor.runtime.runtime_utils import assert_tensor_metadata
     from torch._inductor.async_compile import AsyncCompile
@@ -35,7 +38,8 @@ _MODULE = "import torch\n" + _AUTOTUNING_BLOCK + textwrap.dedent(
         buf = extern_kernels.mm(args[0], args[1])
         assert_tensor_metadata(buf, (2, 2), (2, 1), torch.float32)
         return maybe_profile(False)
-    '''
+    """
+    )
 )
 
 
