@@ -387,6 +387,13 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
     bound = [replacement for _, replacement in rewritten]
     names = graph.input_names
     roles = _input_roles(cap)
+    if len(names) != len(roles):
+        raise ValueError(
+            f"the CaptureResult names {len(names)} graph inputs "
+            f"(graph.input_names), but its records make {len(roles)}: one per "
+            "parameter, buffer, input leaf, optimizer state tensor, lr and tensor "
+            "literal."
+        )
     if graph.positional_names:
         input_rows = [["inductor", "input", "what"]] + [
             list(row) for row in zip(graph.positional_names, names, roles, strict=True)

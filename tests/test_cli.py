@@ -386,8 +386,14 @@ def call(flat_inputs):
 
 
 def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
+    stub = stub_capture("inductor")
     cap = dataclasses.replace(
-        stub_capture("inductor"),
+        stub,
+        graph=dataclasses.replace(
+            stub.graph,
+            input_names=["p_weight", "b_running_mean", "x", "y", "literal0"],
+            positional_names=[],
+        ),
         leaves=[
             InputLeaf(
                 (None, 4), "torch.float32", "cpu", {0: (2, 64)}, {0: "u0"}, None, None

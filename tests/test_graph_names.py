@@ -5,6 +5,7 @@ computes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import keyword
 import re
@@ -16,6 +17,7 @@ from torch import nn
 import precompile_gen as pg
 from precompile_gen.graph_names import argument_names
 from precompile_gen.inspection import inspect_artifact
+from precompile_gen.stubs import stub_capture
 
 
 def _mlp() -> nn.Sequential:
@@ -197,3 +199,13 @@ def test_a_star_args_function_names_its_leaves_by_position() -> None:
     assert inspect_artifact(code)["signature"] == (
         "step(model: nn.Module, tensors_0, tensors_1)"
     )
+
+
+def test_a_capture_naming_too_few_inputs_is_refused_at_render() -> None:
+    stub = stub_capture("eager")
+    names = stub.graph.input_names[:-1]
+    cap = dataclasses.replace(
+        stub, graph=dataclasses.replace(stub.graph, input_names=names)
+    )
+    with pytest.raises(ValueError, match=r"names 3 graph inputs .* records make 4"):
+        pg.render_artifact(cap)
