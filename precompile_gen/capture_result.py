@@ -46,6 +46,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "BACKEND",
     "MODULE_POSITIONS",
     "NUM_POSITIONAL_ARGS",
+    "ARGUMENT_NAMES",
     "MODULE_TRAINING",
     "MODULE_HOOKS",
     "GLOBAL_MODULE_HOOKS",
@@ -284,21 +285,24 @@ class CompiledGraph:
     """The compiled graph, spliced verbatim into the artifact, with what it needs."""
 
     # Defines ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self,
-    # flat)`` (eager, wrapped into ``call`` by the eager graph template).
+    # *inputs)`` (eager, wrapped into ``call`` by the eager graph template).
     source: str
     # Inputs of the graph after the user-input leaves, written out as literals.
     tensor_literals: list[TensorLiteral]
-    # Eager only: the imports fx's generated code expects in scope, and the
-    # ``treespec_dumps`` of the graph's own flat input/output specs.
+    # The name of each graph input, in ``flat_inputs`` order (``graph_names``): the
+    # eager graph's parameters are named so.
+    input_names: list[str]
+    # Eager only: the imports fx's generated code expects in scope.
     imports: list[str]
-    in_spec: str | None
-    out_spec: str | None
     # Eager only: the torch.cond branches fx's code reads as ``self.<name>``, each
     # defined in ``source`` as ``_graph_<name>(self, *operands)``.
     branches: list[str]
     # Inductor only: the lines of Inductor's module that ``inductor_imports`` rewrote
-    # in ``source``, each with its replacement ("" for a dropped line).
+    # in ``source``, each with its replacement ("" for a dropped line); and the
+    # names its inner ``call`` unpacks the graph inputs into (``arg0_1``, ...), where
+    # they are ``input_names`` one to one (empty where AOTAutograd merged inputs).
     rewritten_imports: list[tuple[str, str]]
+    positional_names: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -309,6 +313,9 @@ class CaptureResult:
     # The traced function's ``__name__``, shown in the artifact's header.
     fn_name: str
     num_positional_args: int
+    # The traced function's own name for each positional argument (``x``; ``args_0``
+    # for one its ``*args`` took; ``arg0`` where its signature cannot be read).
+    argument_names: list[str]
     modules: list[ModuleArgument]
     # How many of torch's global module hooks of each kind were registered at the
     # call (``register_module_forward_hook`` and its kin): they ran for every module.
@@ -331,6 +338,10 @@ class CaptureResult:
     # be serialised (the driver then skips the structure check); and of the result.
     in_spec: str | None
     out_spec: str
+    # The same specs as ``treespec_pprint`` writes them, for people to read (None
+    # where ``in_spec`` is).
+    in_structure: str | None
+    out_structure: str
     # Positions among the function's flat outputs of the ``t.item()`` values it
     # returned: the graph returns ``t``, and the driver returns ``t.item()``.
     scalar_outputs: list[int]
@@ -389,6 +400,7 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "BACKEND": cap.backend,
         "MODULE_POSITIONS": [module.position for module in cap.modules],
         "NUM_POSITIONAL_ARGS": cap.num_positional_args,
+        "ARGUMENT_NAMES": cap.argument_names,
         "MODULE_TRAINING": [module.training for module in cap.modules],
         "MODULE_HOOKS": [module.hooks for module in cap.modules],
         "GLOBAL_MODULE_HOOKS": cap.global_module_hooks,

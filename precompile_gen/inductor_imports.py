@@ -17,6 +17,11 @@ Lowering therefore rewrites those import lines, mechanically, and nothing else:
   import stays;
 - an import of names the module never uses again is dropped.
 
+Inductor's compile-time auto-tuning block, a string of code (its own imports from
+``torch._inductor`` among it) that only Inductor's compiler runs, and nothing in the
+module reads, is dropped too, so that no line of the artifact names an import it
+does not make.
+
 Imports are only looked for above the first kernel (``async_compile = AsyncCompile()``),
 outside strings, where Inductor writes them. ``SimpleNamespace`` is imported by the
 artifact's graph section.
@@ -32,6 +37,13 @@ import torch
 
 # The line after Inductor's imports, before its first kernel.
 _IMPORTS_END = "\nasync_compile = AsyncCompile()\n"
+# Inductor writes it as a raw string statement at the top of the module, with any
+# triple quotes inside escaped, when config.triton.autotune_at_compile_time is on.
+_AUTOTUNING_BLOCK = re.compile(
+    r'^r"""\nCompile-time auto-tuning block: \n.*?\n"""\n', re.DOTALL | re.MULTILINE
+)
+# How the rewrites name the dropped block.
+AUTOTUNING_BLOCK = 'r"""Compile-time auto-tuning block: ..."""'
 # Imports bound to what the artifact's graph section defines instead, by (module,
 # name): the section defines each stand-in a rewrite binds.
 STAND_INS = {
@@ -47,10 +59,14 @@ def rewrite(
 ) -> tuple[str, list[tuple[str, str]]]:
     """``source`` with its imports from Inductor rewritten, and each rewrite as
     (original line, replacement; "" for a dropped line). ``extern_kernels`` is
-    Inductor's ``select_algorithm.extern_kernels`` table, by member name."""
+    Inductor's ``select_algorithm.extern_kernels`` table, by member name. The
+    auto-tuning block, if any, is dropped first, and listed as (``AUTOTUNING_BLOCK``,
+    "")."""
+    source, blocks = _AUTOTUNING_BLOCK.subn("", source, count=1)
+    dropped = [(AUTOTUNING_BLOCK, "")] if blocks else []
     imports = _import_block(source)
     if imports is None:
-        return source, []
+        return source, dropped
     body, end = imports
     head, rest = source[:end], source[end:]
     lines = head.split("\n")
@@ -69,14 +85,16 @@ def rewrite(
         for index, line in enumerate(lines)
         if replacements.get(index) != ""
     ]
-    rewrites = [(lines[index], new) for index, new in sorted(replacements.items())]
+    rewrites = dropped + [
+        (lines[index], new) for index, new in sorted(replacements.items())
+    ]
     return "\n".join(rewritten) + rest, rewrites
 
 
 def _import_block(source: str) -> tuple[list[ast.stmt], int] | None:
     """The statements above the module's first kernel, and where they end. (The
-    same line also occurs in a string above, Inductor's autotuning block, where the
-    text up to it does not parse.)"""
+    same line may also occur in a string above, where the text up to it does not
+    parse.)"""
     end = source.find(_IMPORTS_END)
     while end >= 0:
         try:

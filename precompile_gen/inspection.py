@@ -108,7 +108,10 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
         "fn_name": fn_name,
         "backend": metadata["BACKEND"],
         "signature": _signature(
-            fn_name, num_args, module_positions, _optimizer_classes(metadata)
+            fn_name,
+            cast(list[str], metadata["ARGUMENT_NAMES"]),
+            module_positions,
+            _optimizer_classes(metadata),
         ),
         "num_positional_args": num_args,
         "module_positions": module_positions,
@@ -445,17 +448,17 @@ def _cell(value: object) -> str:
 
 def _signature(
     fn_name: str,
-    num_args: int,
+    argument_names: list[str],
     module_positions: list[int],
     optimizer_classes: dict[int, str],
 ) -> str:
     args = [
-        f"arg{i}: nn.Module"
+        f"{name}: nn.Module"
         if i in module_positions
-        else f"arg{i}: optim.{optimizer_classes[i]}"
+        else f"{name}: optim.{optimizer_classes[i]}"
         if i in optimizer_classes
-        else f"arg{i}"
-        for i in range(num_args)
+        else name
+        for i, name in enumerate(argument_names)
     ]
     return f"{fn_name}({', '.join(args)})"
 

@@ -36,14 +36,16 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
         in_spec = None
     if backend == "eager":
-        graph_source, graph_imports, graph_in_spec, graph_out_spec, branches = (
-            _eager_graph(traced.gm)
+        graph_source, graph_imports, branches = _eager_graph(
+            traced.gm, traced.input_names
         )
         cache_artifact, kernel_sources, rewritten_imports = None, {}, []
+        positional_names: list[str] = []
     else:
         graph_source, cache_artifact, kernel_sources = _inductor_graph(traced)
         graph_source, rewritten_imports = _rewrite_imports(graph_source)
-        graph_imports, graph_in_spec, graph_out_spec, branches = [], None, None, []
+        graph_imports, branches = [], []
+        positional_names = _positional_names(graph_source, traced)
     state = traced.state
     # One per graph input before the lrs: the module state, the input leaves, then
     # the optimizers' state.
@@ -75,6 +77,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         backend=backend,
         fn_name=traced.fn_name,
         num_positional_args=traced.num_positional_args,
+        argument_names=traced.argument_names,
         modules=traced.modules,
         global_module_hooks=traced.global_module_hooks,
         python_values=traced.python_values,
@@ -94,6 +97,10 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         deferred_steps=traced.deferred_steps,
         in_spec=in_spec,
         out_spec=out_spec,
+        in_structure=None
+        if in_spec is None
+        else pytree.treespec_pprint(traced.in_spec),
+        out_structure=pytree.treespec_pprint(traced.out_spec),
         scalar_outputs=traced.scalar_outputs,
         leaves=[
             leaf._replace(stride=stride)
@@ -119,11 +126,11 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
                 )
                 for name, tensor in traced.constants
             ],
+            input_names=traced.input_names,
             imports=graph_imports,
-            in_spec=graph_in_spec,
-            out_spec=graph_out_spec,
             branches=branches,
             rewritten_imports=rewritten_imports,
+            positional_names=positional_names,
         ),
         kernel_binaries=kernel_binaries.digests(cache_artifact),
         kernel_sources=kernel_sources,
@@ -148,9 +155,8 @@ def _layout_dependent(
     and those the graph updates in place. An input used for its shape alone, or not
     at all, may come in any layout. Where the wrapper's inputs are not the graph's
     one to one (AOTAutograd merges aliased inputs), every input keeps its strides."""
-    unpacked = _UNPACKED_INPUTS.search(graph_source)
-    names = unpacked.group(1).split(", ") if unpacked else []
-    if traced.aliased_inputs or len(names) != len(traced.flat_args):
+    names = _positional_names(graph_source, traced)
+    if not names:
         return strides
     asserted = set()
     for single, grouped in _ASSERTED_INPUTS.findall(graph_source):
@@ -161,6 +167,17 @@ def _layout_dependent(
         else None
         for position, stride in enumerate(strides)
     ]
+
+
+def _positional_names(graph_source: str, traced: TracedGraph) -> list[str]:
+    """The names Inductor's inner ``call`` unpacks its inputs into, where they are the
+    graph's inputs one to one; empty where they are not (AOTAutograd merges aliased
+    inputs)."""
+    unpacked = _UNPACKED_INPUTS.search(graph_source)
+    names = unpacked.group(1).split(", ") if unpacked else []
+    if traced.aliased_inputs or len(names) != len(traced.flat_args):
+        return []
+    return names
 
 
 def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
@@ -179,29 +196,48 @@ def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
 
 
 def _eager_graph(
-    gm: torch.fx.GraphModule,
-) -> tuple[str, list[str], str, str, list[str]]:
-    """fx's code for the graph (then for its torch.cond branches), the imports it
-    needs, its flat in/out specs and the branches' names."""
+    gm: torch.fx.GraphModule, input_names: list[str]
+) -> tuple[str, list[str], list[str]]:
+    """fx's code for the graph, its inputs named ``input_names`` (then for its
+    torch.cond branches), the imports it needs and the branches' names."""
     # fx's code names its function ``forward``, which is the driver's public name, and
     # runs with fx's "custom builtins" (torch, device, inf, ...) injected into its
     # globals; the artifact imports them explicitly instead.
     from torch.fx.graph import _custom_builtins
 
     branches = _branch_sources(gm)
+    _name_inputs(gm, input_names)
     source = _graph_function(gm, "_graph_forward")
     source += "".join(f"\n\n{code}" for _, code in branches)
-    imports = [builtin.import_str for builtin in _custom_builtins.values()]
-    # make_fx traced ``flat_fn(flat)``, so fx's code unpacks and repacks through these.
-    in_spec, out_spec = gm._in_spec, gm._out_spec
-    assert in_spec is not None and out_spec is not None, "make_fx sets both specs"
-    return (
-        source,
-        imports,
-        pytree.treespec_dumps(in_spec),
-        pytree.treespec_dumps(out_spec),
-        [name for name, _ in branches],
-    )
+    # Only those the code uses: with its inputs as parameters, it no longer unpacks
+    # them with fx_pytree nor packs its result with pytree.
+    imports = [
+        builtin.import_str
+        for name, builtin in _custom_builtins.items()
+        if re.search(rf"\b{re.escape(name)}\b", source)
+    ]
+    return source, imports, [name for name, _ in branches]
+
+
+def _name_inputs(gm: torch.fx.GraphModule, input_names: list[str]) -> None:
+    """Give the graph's inputs ``input_names`` (valid, unique identifiers), as its
+    function's parameters. make_fx's graph takes one list, ``flat``, and unpacks it by
+    a spec into ``flat_1``, ``flat_2``, ...; the graph is copied into one with fx's
+    plain code instead, its inputs created first so that they keep their names and
+    the nodes after them give way. The ops and their order are unchanged."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(input_names):
+        raise RuntimeError(
+            f"the graph has {len(placeholders)} inputs, but {len(input_names)} names"
+        )
+    graph = torch.fx.Graph(owning_module=gm)
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node, name in zip(placeholders, input_names, strict=True):
+        copied[node] = graph.placeholder(name, type_expr=node.type)
+        copied[node].meta = dict(node.meta)
+    graph.output(graph.graph_copy(gm.graph, copied))
+    gm.graph = graph
+    gm.recompile()
 
 
 def _graph_function(gm: torch.fx.GraphModule, name: str) -> str:

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import jinja2
 
-from precompile_gen.capture_result import CaptureResult, metadata_constants
+from precompile_gen import inductor_imports
+from precompile_gen.capture_result import (
+    CaptureResult,
+    InputLeaf,
+    StateTensor,
+    metadata_constants,
+)
 
 # A comment line, which black leaves alone at module level; replaced by the graph.
 GRAPH_MARKER = "# <precompile_gen: compiled graph>"
@@ -212,7 +218,28 @@ def environment() -> jinja2.Environment:
     env.filters["literal"] = literal
     env.filters["assignment"] = assignment
     env.filters["comment_text"] = comment_text
+    env.filters["columns"] = columns
+    env.filters["section_rule"] = section_rule
     return env
+
+
+def section_rule(character: str) -> str:
+    """A section title's rule, ``character`` repeated to the width the artifact's
+    titles take: the line limit, less the comment's "# " and a margin."""
+    return character * (BLACK_LINE_LENGTH - 4)
+
+
+def columns(rows: list[list[str]]) -> list[str]:
+    """``rows`` as the lines of a table for a comment: each cell made safe for one
+    (``comment_text``) and padded to its column's width, no trailing spaces."""
+    cells = [[comment_text(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return [
+        "  ".join(
+            cell.ljust(width) for cell, width in zip(row, widths, strict=True)
+        ).rstrip()
+        for row in cells
+    ]
 
 
 def format_python(source: str) -> str:
@@ -342,6 +369,167 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
     )
 
 
+@dataclass(frozen=True)
+class GraphFeatures:
+    """What the graph section of a capture holds, and the tables that name the
+    graph's inputs: the facts the graph and metadata templates branch on, read from
+    the capture here rather than from text in the templates."""
+
+    # Eager: fx's imports, in runs black separates with a blank line (after an
+    # import, before a statement that is not one).
+    import_blocks: list[list[str]]
+    # Inductor: the import lines rewritten, and the stand-ins the rewrites bind,
+    # each defined by the section only where it is bound.
+    rewritten_imports: list[tuple[str, str]]
+    async_compile: bool
+    simple_namespace: bool
+    assert_tensor_metadata: bool
+    # Inductor's compile-time auto-tuning block was dropped.
+    autotuning_block: bool
+    # AOTAutograd's module defines ``call`` again, over Inductor's inner one.
+    redefined_call: bool
+    # Per graph input: (Inductor's name for it, where it has one,) its name and what
+    # it is; a header row first.
+    input_rows: list[list[str]]
+    # Per parameter, buffer and input leaf: name, shape, stride, dtype, device and
+    # grad; a header row first.
+    tensor_rows: list[list[str]]
+
+
+def graph_features(cap: CaptureResult) -> GraphFeatures:
+    graph = cap.graph
+    rewritten = [
+        rewrite
+        for rewrite in graph.rewritten_imports
+        if rewrite[0] != inductor_imports.AUTOTUNING_BLOCK
+    ]
+    bound = [replacement for _, replacement in rewritten]
+    names = graph.input_names
+    roles = _input_roles(cap)
+    if len(names) != len(roles):
+        raise ValueError(
+            f"the CaptureResult names {len(names)} graph inputs "
+            f"(graph.input_names), but its records make {len(roles)}: one per "
+            "parameter, buffer, input leaf, optimizer state tensor, lr and tensor "
+            "literal."
+        )
+    if graph.positional_names:
+        input_rows = [["inductor", "input", "what"]] + [
+            list(row) for row in zip(graph.positional_names, names, roles, strict=True)
+        ]
+    else:
+        input_rows = [["input", "what"]] + [
+            list(row) for row in zip(names, roles, strict=True)
+        ]
+    return GraphFeatures(
+        import_blocks=_import_blocks(graph.imports),
+        rewritten_imports=rewritten,
+        async_compile=any(line.endswith("= _AsyncCompile") for line in bound),
+        simple_namespace=any("= SimpleNamespace(" in line for line in bound),
+        assert_tensor_metadata=any(
+            line.endswith("= _assert_tensor_metadata") for line in bound
+        ),
+        autotuning_block=len(rewritten) < len(graph.rewritten_imports),
+        redefined_call="\ndef call(flat_inputs):  # noqa: F811" in graph.source,
+        input_rows=input_rows,
+        tensor_rows=_tensor_rows(cap),
+    )
+
+
+def _import_blocks(imports: list[str]) -> list[list[str]]:
+    blocks: list[list[str]] = []
+    previous_import = False
+    for line in imports:
+        is_import = line.startswith(("import ", "from "))
+        if not blocks or (previous_import and not is_import):
+            blocks.append([])
+        blocks[-1].append(line)
+        previous_import = is_import
+    return blocks
+
+
+def _input_roles(cap: CaptureResult) -> list[str]:
+    """What each graph input is, in graph-input order."""
+    params = [t.name for t in cap.params]
+    roles = [f"parameter {name}" for name in params]
+    roles += [f"buffer {t.name}" for t in cap.buffers]
+    roles += [f"input leaf {i}" for i in range(len(cap.leaves))]
+    for optimizer in cap.optimizers:
+        roles += [
+            f"argument {optimizer.position}: state {t.key!r} of {params[t.param]}"
+            for t in optimizer.state
+        ]
+    for optimizer in cap.optimizers:
+        roles += [
+            f"argument {optimizer.position}: lr of param group {g}"
+            for g in range(len(optimizer.groups))
+        ]
+    roles += [f"tensor literal {lit.name}" for lit in cap.graph.tensor_literals]
+    return roles
+
+
+def _tensor_rows(cap: CaptureResult) -> list[list[str]]:
+    names = cap.graph.input_names
+    state = [*cap.params, *cap.buffers]
+    num_state = len(state)
+    leaf_names = names[num_state : num_state + len(cap.leaves)]
+    return [
+        ["input", "name", "shape", "stride", "dtype", "device", "requires grad"],
+        *(
+            _state_row(name, tensor)
+            for name, tensor in zip(names[:num_state], state, strict=True)
+        ),
+        *(
+            _leaf_row(name, index, leaf)
+            for index, (name, leaf) in enumerate(
+                zip(leaf_names, cap.leaves, strict=True)
+            )
+        ),
+    ]
+
+
+def _state_row(name: str, tensor: StateTensor) -> list[str]:
+    return [
+        name,
+        tensor.name,
+        _tuple_text(tensor.shape),
+        _stride_text(tensor.stride),
+        tensor.dtype.removeprefix("torch."),
+        tensor.device,
+        "yes" if tensor.requires_grad else "no",
+    ]
+
+
+def _leaf_row(name: str, index: int, leaf: InputLeaf) -> list[str]:
+    if leaf.shape is None:
+        value = "-" if leaf.value is None else f"= {leaf.value!r}"
+        return [name, f"input leaf {index}", value, "-", "-", "-", "-"]
+    # A dynamic dim by its symbol: dims that share one have equal sizes.
+    symbols = leaf.symbols or {}
+    shape = [
+        symbols.get(dim, "?") if size is None else size
+        for dim, size in enumerate(leaf.shape)
+    ]
+    return [
+        name,
+        f"input leaf {index}",
+        _tuple_text(tuple(shape)),
+        _stride_text(leaf.stride),
+        (leaf.dtype or "-").removeprefix("torch."),
+        leaf.device or "-",
+        "-",
+    ]
+
+
+def _stride_text(stride: tuple[int, ...] | None) -> str:
+    # None: the compiled graph takes any layout there.
+    return "any" if stride is None else _tuple_text(stride)
+
+
+def _tuple_text(values: tuple[object, ...]) -> str:
+    return "(" + ", ".join(map(str, values)) + ("," if len(values) == 1 else "") + ")"
+
+
 def _flat_tuple_of_leaves(in_spec: str | None, count: int) -> bool:
     """Whether ``in_spec`` is a tuple of ``count`` leaves (the arguments themselves)."""
     if in_spec is None:
@@ -371,6 +559,7 @@ def render_skeleton(cap: CaptureResult) -> str:
             cap=cap,
             metadata=metadata_constants(cap),
             features=driver_features(cap),
+            graph=graph_features(cap),
             graph_marker=GRAPH_MARKER,
             runtime_support=support,
             runtime_sha256=runtime_stamp(support),

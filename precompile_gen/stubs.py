@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from precompile_gen import inductor_imports
 from precompile_gen.capture_result import (
     BACKENDS,
     Backend,
@@ -37,7 +38,7 @@ from precompile_gen.render import format_python, render_artifact
 # Typed stand-ins for the spliced graph, which is the only part not from a template.
 _GRAPH_STUBS: dict[Backend, str] = {
     "eager": (
-        "def _graph_forward(self: object, flat: list[object]) -> list[object]:\n"
+        "def _graph_forward(self: object, *flat: object) -> list[object]:\n"
         "    return list(flat)\n"
         "\n"
         "\n"
@@ -77,6 +78,7 @@ _REWRITTEN_IMPORTS = [
         "assert_tensor_metadata = _assert_tensor_metadata",
     ),
     ("from torch._inductor.hooks import run_intermediate_hooks", ""),
+    (inductor_imports.AUTOTUNING_BLOCK, ""),
 ]
 
 # The imports fx's generated code relies on (torch.fx.graph._custom_builtins).
@@ -119,6 +121,14 @@ _NESTED_INPUT_SPEC = (
 )
 
 
+# The stub capture's graph inputs: a parameter, a buffer, a leaf and a literal.
+_INPUT_NAMES = ["p_weight", "b_running_mean", "x", "literal0"]
+
+
+def _positional_names(count: int) -> list[str]:
+    return [f"arg{i}_1" for i in range(count)]
+
+
 def stub_capture(backend: Backend) -> CaptureResult:
     """A capture whose every metadata list is non-empty, so each template branch that
     depends on the data is rendered and checked."""
@@ -127,6 +137,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
         backend=backend,
         fn_name="train_step",
         num_positional_args=2,
+        argument_names=["model", "x"],
         modules=[ModuleArgument(position=0, training=[True], hooks={})],
         global_module_hooks={},
         python_values=[],
@@ -141,6 +152,8 @@ def stub_capture(backend: Backend) -> CaptureResult:
         grad_resets=[(0, True)],
         in_spec=_INPUT_SPEC,
         out_spec=_FLAT_SPEC,
+        in_structure="(*,)",
+        out_structure="*",
         scalar_outputs=[0],
         leaves=[
             InputLeaf(
@@ -159,11 +172,11 @@ def stub_capture(backend: Backend) -> CaptureResult:
             tensor_literals=[
                 TensorLiteral("literal0", [0.5, float("-inf")], "torch.float32", "cpu")
             ],
+            input_names=_INPUT_NAMES,
             imports=_EAGER_GRAPH_IMPORTS if eager else [],
-            in_spec=_FLAT_SPEC if eager else None,
-            out_spec=_FLAT_SPEC if eager else None,
             branches=["true_graph_0"] if eager else [],
             rewritten_imports=[] if eager else _REWRITTEN_IMPORTS,
+            positional_names=[] if eager else _positional_names(len(_INPUT_NAMES)),
         ),
         kernel_binaries={_BINARY: "0" * 64},
         kernel_sources={"1" * 64: _BINARY},
@@ -179,6 +192,7 @@ def all_features_capture(backend: Backend) -> CaptureResult:
     return dataclasses.replace(
         stub,
         num_positional_args=5,
+        argument_names=["encoder", "x", "head", "extras", "opt"],
         python_values=[
             PythonValue("argument 0: .blocks.2.temperature", "2.0"),
             PythonValue("global SCALE (module __main__)", "1.0"),
@@ -216,6 +230,22 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             InputLeaf(None, None, None, None, None, None, 0.5),
         ],
         in_spec=_NESTED_INPUT_SPEC,
+        in_structure="(*, {'x': *, 'scale': *})",
+        # AOTAutograd merged aliased inputs: Inductor's are not the graph's.
+        graph=dataclasses.replace(
+            stub.graph,
+            input_names=[
+                "p_m0_weight",
+                "b_m0_running_mean",
+                "x",
+                "extras_x",
+                "extras_scale",
+                "opt_m0_weight_momentum_buffer",
+                "opt_group0_lr",
+                "literal0",
+            ],
+            positional_names=[],
+        ),
         pytree_types=["inspect:FullArgSpec"],
         mutated_inputs=[1, 3],
         process_groups=[{"name": "0", "backend": "gloo", "ranks": [0, 1]}],
@@ -264,7 +294,13 @@ def no_features_capture(backend: Backend) -> CaptureResult:
         scalar_outputs=[],
         leaves=[stub.leaves[0]._replace(shape=(2, 4), bounds=None, symbols=None)],
         aliased_inputs=[],
-        graph=dataclasses.replace(stub.graph, tensor_literals=[], branches=[]),
+        graph=dataclasses.replace(
+            stub.graph,
+            tensor_literals=[],
+            branches=[],
+            input_names=_INPUT_NAMES[:3],
+            positional_names=[] if backend == "eager" else _positional_names(3),
+        ),
     )
 
 

@@ -34,6 +34,7 @@ from precompile_gen import (
     dtensors,
     dynamic_dims,
     grad_resets,
+    graph_names,
     optimizers,
     python_state,
     pytree_types,
@@ -114,6 +115,10 @@ class TracedGraph:
     flat_args: list[object]
     fn_name: str
     num_positional_args: int
+    # The traced function's own name for each positional argument.
+    argument_names: list[str]
+    # The name of each graph input, in ``flat_args`` order (``graph_names``).
+    input_names: list[str]
     modules: list[ModuleArgument]
     global_module_hooks: dict[str, int]
     python_values: list[PythonValue]
@@ -469,7 +474,17 @@ def trace(
     if backend == "inductor" and dtensor_layouts:
         local = dtensors.to_local_graph(gm, flat_args, decompositions)
         gm, flat_args = local.gm, local.flat_args
+    arguments = graph_names.argument_names(fn, len(example_inputs))
     return TracedGraph(
+        argument_names=arguments,
+        input_names=graph_names.graph_input_names(
+            arguments,
+            state.param_names,
+            state.buffer_names,
+            list(zip(user_positions, user_inputs, strict=True)),
+            optimizer_arguments,
+            [name for name, _ in constants],
+        ),
         process_groups=data_parallel.process_groups(gm, modules),
         data_parallel=[
             data_parallel.data_parallel_record(module, position)

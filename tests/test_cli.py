@@ -176,14 +176,14 @@ def test_console_script_runs_every_command(
     assert _cli(capsys, "verify", str(demo_step), str(demo_cache))[0] == 0
     code, out, err = _cli(capsys, "inspect", str(demo_step))
     assert code == 0, err
-    assert "train_step(arg0: nn.Module, arg1: optim.AdamW, arg2, arg3)" in out
+    assert "train_step(model: nn.Module, optimizer: optim.AdamW, images, labels)" in out
     assert "15 tensors: step, exp_avg, exp_avg_sq" in out
     assert re.search(r"features\.1\.running_mean\s+buffer\s+\(8,\)", out)
     assert re.search(r"features\.0\.weight\s+parameter\s+\(8, 3, 3, 3\)", out)
 
     rc, out, err = results["inspect"]
     assert rc == 0, err
-    assert "two_towers(arg0: nn.Module, arg1, arg2: nn.Module)" in out
+    assert "two_towers(encoder: nn.Module, batch, head: nn.Module)" in out
 
     rc, out, err = results["verify"]
     assert rc == 0, err
@@ -258,7 +258,7 @@ def test_inspect_shows_signature_state_inputs_output_graph_and_sections(
     path = "tests/golden/eager_multi_module.py"
     code, out, err = _cli(capsys, "inspect", str(REPO_ROOT / path))
     assert code == 0, err
-    assert "two_towers(arg0: nn.Module, arg1, arg2: nn.Module)" in out
+    assert "two_towers(encoder: nn.Module, batch, head: nn.Module)" in out
     assert "backend    eager" in out
     assert "{'logits': *, 'features': *, 'count': *} (3 leaves)" in out
     assert re.search(
@@ -385,8 +385,14 @@ def call(flat_inputs):
 
 
 def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
+    stub = stub_capture("inductor")
     cap = dataclasses.replace(
-        stub_capture("inductor"),
+        stub,
+        graph=dataclasses.replace(
+            stub.graph,
+            input_names=["p_weight", "b_running_mean", "x", "y", "literal0"],
+            positional_names=[],
+        ),
         leaves=[
             InputLeaf(
                 (None, 4), "torch.float32", "cpu", {0: (2, 64)}, {0: "u0"}, None, None

@@ -133,6 +133,7 @@ def inductor_inference() -> pg.CaptureResult:
         backend="inductor",
         fn_name="predict",
         num_positional_args=2,
+        argument_names=["model", "x"],
         # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
         modules=[ModuleArgument(position=0, training=[True] * 4, hooks={})],
         global_module_hooks={},
@@ -150,6 +151,8 @@ def inductor_inference() -> pg.CaptureResult:
             f"[{_LEAF}]}}]"
         ),
         out_spec=f"[1, {_LEAF}]",
+        in_structure="(*,)",
+        out_structure="*",
         scalar_outputs=[],
         leaves=[
             InputLeaf(
@@ -166,11 +169,11 @@ def inductor_inference() -> pg.CaptureResult:
         graph=CompiledGraph(
             source=source,
             tensor_literals=[],
+            input_names=["p_0_weight", "p_0_bias", "p_2_weight", "p_2_bias", "x"],
             imports=[],
-            in_spec=None,
-            out_spec=None,
             branches=[],
             rewritten_imports=rewritten_imports,
+            positional_names=["arg0_1", "arg1_1", "arg2_1", "arg3_1", "arg4_1"],
         ),
         # The canned graph's kernels are not compiled here: nothing is pinned.
         kernel_binaries={},

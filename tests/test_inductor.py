@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -264,3 +265,15 @@ def test_a_graph_inductor_cannot_retrace_is_a_precompile_error_with_the_fix() ->
         got_model.parameters(), expected_model.parameters(), strict=True
     ):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_graph_section_maps_inductors_positional_names_to_the_inputs() -> None:
+    code, _ = pg.precompile(predict, _mlp(), torch.randn(3, 4), backend="inductor")
+    section = code[code.index("# 1. Compiled graph") : code.index("# 2. Calling")]
+    table = section[: section.index("\nimport ")]
+    assert re.search(r"#   arg0_1\s+p_0_weight\s+parameter 0\.weight\n", table)
+    assert re.search(r"#   arg4_1\s+x\s+input leaf 0\n", table)
+    # Inductor's inner call unpacks its inputs under exactly these names.
+    assert "arg0_1, arg1_1, arg2_1, arg3_1, arg4_1 = args" in section
+    # The module's second `call` is explained where it is spliced.
+    assert ("# noqa: F811" in section) == ("hence its `# noqa: F811`" in table)

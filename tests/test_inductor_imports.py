@@ -12,14 +12,19 @@ import torch
 import precompile_gen as pg
 from precompile_gen import inductor_imports
 
-_MODULE = textwrap.dedent(
-    '''\
-    import torch
-    r"""
-    Compile-time auto-tuning block:
-    from torch._inductor.async_compile import AsyncCompile
-    async_compile = AsyncCompile()
-    """
+# As Inductor writes it with config.triton.autotune_at_compile_time: code in a string.
+_AUTOTUNING_BLOCK = (
+    'r"""\n'
+    "Compile-time auto-tuning block: \n"
+    "from torch._inductor.async_compile import AsyncCompile\n"
+    "async_compile = AsyncCompile()\n"
+    '"""\n'
+)
+_MODULE = (
+    "import torch\n"
+    + _AUTOTUNING_BLOCK
+    + textwrap.dedent(
+        """\
     from torch._inductor.hooks import run_intermediate_hooks
     from torch._inductor.runtime.runtime_utils import assert_tensor_metadata
     from torch._inductor.async_compile import AsyncCompile
@@ -33,13 +38,15 @@ _MODULE = textwrap.dedent(
         buf = extern_kernels.mm(args[0], args[1])
         assert_tensor_metadata(buf, (2, 2), (2, 1), torch.float32)
         return maybe_profile(False)
-    '''
+    """
+    )
 )
 
 
 def test_each_import_is_rewritten_as_documented() -> None:
     source, rewrites = inductor_imports.rewrite(_MODULE, {"mm": torch.mm})
     assert rewrites == [
+        (inductor_imports.AUTOTUNING_BLOCK, ""),
         ("from torch._inductor.hooks import run_intermediate_hooks", ""),
         (
             "from torch._inductor.runtime.runtime_utils import assert_tensor_metadata",
@@ -54,13 +61,13 @@ def test_each_import_is_rewritten_as_documented() -> None:
             "extern_kernels = SimpleNamespace(mm=torch.mm)",
         ),
     ]
-    # maybe_profile is used below, so its import stays; the autotuning block is a
-    # string and stays as it was; nothing else changes.
+    # maybe_profile is used below, so its import stays; the auto-tuning block, a
+    # string nothing reads, is dropped; nothing else changes.
     assert "from torch._inductor.utils import maybe_profile\n" in source
-    assert source.count("from torch._inductor.async_compile import AsyncCompile") == 1
-    # Each rewritten line is the last one with its text (the first, in the string).
-    rebuilt = _MODULE
-    for original, replacement in rewrites:
+    assert "auto-tuning" not in source
+    assert "from torch._inductor.async_compile import AsyncCompile" not in source
+    rebuilt = _MODULE.replace(_AUTOTUNING_BLOCK, "")
+    for original, replacement in rewrites[1:]:
         index = rebuilt.rindex(original + "\n")
         new = replacement + "\n" if replacement else ""
         rebuilt = rebuilt[:index] + new + rebuilt[index + len(original) + 1 :]

@@ -164,6 +164,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BACKEND": "eager",
         "MODULE_POSITIONS": [1],
         "NUM_POSITIONAL_ARGS": 3,
+        # train_step's own parameter names, by position.
+        "ARGUMENT_NAMES": ["x", "model", "extras"],
         # Net, lin and bn, all in training mode as constructed.
         "MODULE_TRAINING": [[True, True, True]],
         # No hooks on its modules, nor global module hooks.
@@ -229,6 +231,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BACKEND",
         "MODULE_POSITIONS",
         "NUM_POSITIONAL_ARGS",
+        "ARGUMENT_NAMES",
         "MODULE_TRAINING",
         "MODULE_HOOKS",
         "GLOBAL_MODULE_HOOKS",

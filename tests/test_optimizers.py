@@ -377,7 +377,7 @@ def test_inspect_shows_the_optimizer_and_the_artifact_its_contract() -> None:
     assert "# - The function steps its optimizer argument(s) inside the graph" in code
     report = inspect_artifact(code)
     assert report["signature"] == (
-        "train_step(arg0: nn.Module, arg1: optim.Adam, arg2, arg3)"
+        "train_step(model: nn.Module, optimizer: optim.Adam, x, y)"
     )
     (optimizer,) = report["optimizers"]
     assert optimizer["state_keys"] == ["step", "exp_avg", "exp_avg_sq"]

@@ -46,9 +46,21 @@ def large_capture(backend: Backend) -> pg.CaptureResult:
         "x" * 100,
     ]
     count = len(names)
+    stub = stub_capture(backend)
+    # As capture names them: the state's names are made identifiers, and unique.
+    input_names = [f"p_layers_{i}_weight" for i in range(300)]
+    input_names += ["p_it_s", "p_say_hi_", "p_both_and_", "p_back_slash", "p_caf_"]
+    input_names += ["p_" + "x" * 100, "b_running_mean", "x", "y", "z", "literal0"]
     return dataclasses.replace(
-        stub_capture(backend),
+        stub,
         fn_name="large",
+        graph=dataclasses.replace(
+            stub.graph,
+            input_names=input_names,
+            positional_names=[f"arg{i}_1" for i in range(len(input_names))]
+            if backend == "inductor"
+            else [],
+        ),
         params=[
             StateTensor(name, (16, 16), (16, 1), "torch.float32", "cpu", i % 3 != 0)
             for i, name in enumerate(names)

@@ -71,9 +71,9 @@ def render_gallery(root: Path = ROOT) -> str:
         _excerpt(eager, _eager_spans(eager)),
         "```",
         "",
-        f"**Inductor backend**, inference (`{INDUCTOR}`): a C++ kernel, the",
-        "generated `call`, and the driver's entry point, which turns a layout",
-        "assertion into a `PrecompileError`.",
+        f"**Inductor backend**, inference (`{INDUCTOR}`): the table naming the",
+        "graph's inputs, a C++ kernel, the generated `call`, and the driver's entry",
+        "point, which turns a layout assertion into a `PrecompileError`.",
         "",
         "```python",
         _excerpt(inductor, _inductor_spans(inductor)),
@@ -176,8 +176,15 @@ def _inductor_spans(text: str) -> list[Span]:
     call = next(
         s for s in runner.body if isinstance(s, ast.FunctionDef) and s.name == "call"
     )
+    # The section's title and first comment, through its table of the inputs.
+    lines = text.splitlines()
+    table_end = max(
+        number
+        for number in range(graph.first_line, graph.last_line + 1)
+        if lines[number - 1].startswith("#   arg")
+    )
     return [
-        _title(graph),
+        (graph.first_line, table_end, table_end - graph.first_line + 1),
         (kernel_statement.lineno, _end(kernel_statement), 8),
         (call.lineno, _end(call), 12),
         _whole(_function(module, sections["driver"], "forward")),

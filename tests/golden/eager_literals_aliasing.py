@@ -30,53 +30,30 @@
 # 1. Compiled graph: the captured ATen graph, run eagerly
 # ====================================================================================
 # fx's generated code below expects these names in scope.
-from math import inf
-from math import nan
-
-NoneType = type(None)
 import torch
-from torch import device
-import torch.fx._pytree as fx_pytree
-import torch.utils._pytree as pytree
 
 
-def _graph_forward(self, flat):
-    flat_1, flat_2, flat_3, flat_4, flat_5, flat_6, literal0, = fx_pytree.tree_flatten_spec([flat], self._in_spec)
+def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, y, literal0):
     lift_fresh_copy = torch.ops.aten.lift_fresh_copy.default(literal0);  literal0 = None
-    t = torch.ops.aten.t.default(flat_1);  flat_1 = None
-    addmm = torch.ops.aten.addmm.default(flat_2, flat_6, t);  flat_2 = t = None
+    t = torch.ops.aten.t.default(p_0_weight);  p_0_weight = None
+    addmm = torch.ops.aten.addmm.default(p_0_bias, y, t);  p_0_bias = t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
     alias = torch.ops.aten.alias.default(relu);  alias = None
-    t_1 = torch.ops.aten.t.default(flat_3);  flat_3 = None
-    addmm_1 = torch.ops.aten.addmm.default(flat_4, relu, t_1);  flat_4 = relu = t_1 = None
+    t_1 = torch.ops.aten.t.default(p_2_weight);  p_2_weight = None
+    addmm_1 = torch.ops.aten.addmm.default(p_2_bias, relu, t_1);  p_2_bias = relu = t_1 = None
     add = torch.ops.aten.add.Tensor(addmm_1, lift_fresh_copy);  addmm_1 = lift_fresh_copy = None
     _softmax = torch.ops.aten._softmax.default(add, -1, False);  add = None
     alias_1 = torch.ops.aten.alias.default(_softmax);  alias_1 = None
-    sum_1 = torch.ops.aten.sum.default(flat_6);  flat_6 = None
+    sum_1 = torch.ops.aten.sum.default(y);  y = None
     mul = torch.ops.aten.mul.Tensor(_softmax, sum_1);  _softmax = sum_1 = None
-    return pytree.tree_unflatten([mul], self._out_spec)
-
-
-# The flat input/output specs fx's code reads from the GraphModule.
-_GRAPH_IN_SPEC: str = (
-    '[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": "builtins.list", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]'
-)
-_GRAPH_OUT_SPEC: str = (
-    '[1, {"type": "builtins.list", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}]}]'
-)
-
-
-class _GraphSelf:
-    """Stands in for the GraphModule: fx's code reads its specs from ``self``."""
-
-    _in_spec = pytree.treespec_loads(_GRAPH_IN_SPEC)
-    _out_spec = pytree.treespec_loads(_GRAPH_OUT_SPEC)
+    return [mul]
 
 
 def call(flat_inputs: list[object]) -> list[object]:
     """Run the captured graph on ``[*params, *buffers, *user_input_leaves]``; return
     the function's flat outputs followed by the harvested parameter gradients."""
-    return list(_graph_forward(_GraphSelf(), list(flat_inputs)))
+    # fx's code takes the GraphModule as ``self``, and reads nothing from it here.
+    return list(_graph_forward(None, *flat_inputs))
 
 
 # Tensors the traced function created from Python data (torch.tensor(...)): constants
@@ -100,6 +77,8 @@ BACKEND: str = "eager"
 # Positions of the nn.Module arguments among the traced function's arguments.
 MODULE_POSITIONS: list[int] = [0]
 NUM_POSITIONAL_ARGS: int = 3
+# The traced function's own name for each positional argument, by position.
+ARGUMENT_NAMES: list[str] = ["model", "x", "y"]
 # Per module argument: the `training` flag of each of its modules() at the traced call
 # (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
 MODULE_TRAINING: list[list[bool]] = [[True, True, True, True]]
@@ -113,6 +92,15 @@ GLOBAL_MODULE_HOOKS: dict[str, int] = {}
 # Every call must bring the same; a global of a module this process has not imported,
 # and the traced function's own closure variables, cannot be checked.
 PYTHON_VALUES: list[tuple[str, str]] = [("argument 0: .1.inplace", "False")]
+# The graph's inputs at a glance (the constants below are the record): each
+# parameter, buffer and input leaf, by the name the graph gives it.
+#   input       name          shape   stride  dtype    device  requires grad
+#   p_0_weight  0.weight      (8, 4)  (4, 1)  float32  cpu     yes
+#   p_0_bias    0.bias        (8,)    (1,)    float32  cpu     yes
+#   p_2_weight  2.weight      (2, 8)  (8, 1)  float32  cpu     yes
+#   p_2_bias    2.bias        (2,)    (1,)    float32  cpu     yes
+#   x           input leaf 0  (3, 4)  (4, 1)  float32  cpu     -
+#   y           input leaf 1  (3, 4)  (4, 1)  float32  cpu     -
 # All modules' parameters, then all modules' buffers, in named_parameters() /
 # named_buffers() order, each tensor once (a tied weight appears under its first name).
 # With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
@@ -142,11 +130,14 @@ GRAD_PARAM_INDICES: list[int] = []
 # (index into PARAM_NAMES, set_to_none) for each parameter whose .grad the function
 # reset with zero_grad(); each call resets them so before adding the gradients.
 GRAD_RESETS: list[tuple[int, bool]] = []
-# Pytree specs (treespec_dumps) of the non-module arguments and of the result. IN_SPEC
-# is None when the input structure could not be serialised; it is then not checked.
+# Pytree specs (treespec_dumps) of the non-module arguments and of the result, each
+# drawn above it as treespec_pprint draws it (* is a leaf). IN_SPEC is None when the
+# input structure could not be serialised; it is then not checked.
+# IN_SPEC: (*, *)
 IN_SPEC: str | None = (
     '[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]'
 )
+# OUT_SPEC: *
 OUT_SPEC: str = '[1, {"type": null, "context": null, "children_spec": []}]'
 # Per flattened input leaf: shape (None for a dynamic dim), dtype and device, or None
 # for a non-tensor leaf; and the declared {dim: (min, max)} of its dynamic dims.

@@ -29,53 +29,31 @@
 # 1. Compiled graph: the captured ATen graph, run eagerly
 # ====================================================================================
 # fx's generated code below expects these names in scope.
-from math import inf
-from math import nan
-
-NoneType = type(None)
 import torch
 from torch import device
-import torch.fx._pytree as fx_pytree
-import torch.utils._pytree as pytree
 
 
-def _graph_forward(self, flat):
-    flat_1, flat_2, flat_3, flat_4, flat_5, flat_6, flat_7, flat_8, flat_9, flat_10, = fx_pytree.tree_flatten_spec([flat], self._in_spec)
-    t = torch.ops.aten.t.default(flat_1);  flat_1 = None
-    addmm = torch.ops.aten.addmm.default(flat_2, flat_10, t);  flat_2 = flat_10 = t = None
-    add_ = torch.ops.aten.add_.Tensor(flat_9, 1);  flat_9 = add_ = None
+def _graph_forward(self, p_m0_0_weight, p_m0_0_bias, p_m0_1_weight, p_m0_1_bias, p_m1_weight, p_m1_bias, b_m0_1_running_mean, b_m0_1_running_var, b_m0_1_num_batches_tracked, batch_x):
+    t = torch.ops.aten.t.default(p_m0_0_weight);  p_m0_0_weight = None
+    addmm = torch.ops.aten.addmm.default(p_m0_0_bias, batch_x, t);  p_m0_0_bias = batch_x = t = None
+    add_ = torch.ops.aten.add_.Tensor(b_m0_1_num_batches_tracked, 1);  b_m0_1_num_batches_tracked = add_ = None
     empty = torch.ops.aten.empty.memory_format([0], dtype = torch.uint8, layout = torch.strided, device = device(type='cpu'));  empty = None
-    native_batch_norm = torch.ops.aten.native_batch_norm.default(addmm, flat_3, flat_4, flat_7, flat_8, True, 0.1, 1e-05);  addmm = flat_3 = flat_4 = flat_7 = flat_8 = None
+    native_batch_norm = torch.ops.aten.native_batch_norm.default(addmm, p_m0_1_weight, p_m0_1_bias, b_m0_1_running_mean, b_m0_1_running_var, True, 0.1, 1e-05);  addmm = p_m0_1_weight = p_m0_1_bias = b_m0_1_running_mean = b_m0_1_running_var = None
     getitem = native_batch_norm[0]
     getitem_1 = native_batch_norm[1];  getitem_1 = None
     getitem_2 = native_batch_norm[2];  native_batch_norm = getitem_2 = None
     relu = torch.ops.aten.relu.default(getitem);  getitem = None
     alias = torch.ops.aten.alias.default(relu);  alias = None
-    t_1 = torch.ops.aten.t.default(flat_5);  flat_5 = None
-    addmm_1 = torch.ops.aten.addmm.default(flat_6, relu, t_1);  flat_6 = t_1 = None
-    return pytree.tree_unflatten([addmm_1, relu, 2], self._out_spec)
-
-
-# The flat input/output specs fx's code reads from the GraphModule.
-_GRAPH_IN_SPEC: str = (
-    '[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": "builtins.list", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]'
-)
-_GRAPH_OUT_SPEC: str = (
-    '[1, {"type": "builtins.list", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]'
-)
-
-
-class _GraphSelf:
-    """Stands in for the GraphModule: fx's code reads its specs from ``self``."""
-
-    _in_spec = pytree.treespec_loads(_GRAPH_IN_SPEC)
-    _out_spec = pytree.treespec_loads(_GRAPH_OUT_SPEC)
+    t_1 = torch.ops.aten.t.default(p_m1_weight);  p_m1_weight = None
+    addmm_1 = torch.ops.aten.addmm.default(p_m1_bias, relu, t_1);  p_m1_bias = t_1 = None
+    return [addmm_1, relu, 2]
 
 
 def call(flat_inputs: list[object]) -> list[object]:
     """Run the captured graph on ``[*params, *buffers, *user_input_leaves]``; return
     the function's flat outputs followed by the harvested parameter gradients."""
-    return list(_graph_forward(_GraphSelf(), list(flat_inputs)))
+    # fx's code takes the GraphModule as ``self``, and reads nothing from it here.
+    return list(_graph_forward(None, *flat_inputs))
 
 
 # ====================================================================================
@@ -88,6 +66,8 @@ BACKEND: str = "eager"
 # Positions of the nn.Module arguments among the traced function's arguments.
 MODULE_POSITIONS: list[int] = [0, 2]
 NUM_POSITIONAL_ARGS: int = 3
+# The traced function's own name for each positional argument, by position.
+ARGUMENT_NAMES: list[str] = ["encoder", "batch", "head"]
 # Per module argument: the `training` flag of each of its modules() at the traced call
 # (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
 MODULE_TRAINING: list[list[bool]] = [[True, True, True, True], [True]]
@@ -106,6 +86,19 @@ PYTHON_VALUES: list[tuple[str, str]] = [
     ("argument 0: .1.track_running_stats", "True"),
     ("argument 0: .2.inplace", "False"),
 ]
+# The graph's inputs at a glance (the constants below are the record): each
+# parameter, buffer and input leaf, by the name the graph gives it.
+#   input                       name                      shape   stride  dtype    device  requires grad
+#   p_m0_0_weight               m0.0.weight               (6, 4)  (4, 1)  float32  cpu     yes
+#   p_m0_0_bias                 m0.0.bias                 (6,)    (1,)    float32  cpu     yes
+#   p_m0_1_weight               m0.1.weight               (6,)    (1,)    float32  cpu     yes
+#   p_m0_1_bias                 m0.1.bias                 (6,)    (1,)    float32  cpu     yes
+#   p_m1_weight                 m1.weight                 (3, 6)  (6, 1)  float32  cpu     yes
+#   p_m1_bias                   m1.bias                   (3,)    (1,)    float32  cpu     yes
+#   b_m0_1_running_mean         m0.1.running_mean         (6,)    (1,)    float32  cpu     no
+#   b_m0_1_running_var          m0.1.running_var          (6,)    (1,)    float32  cpu     no
+#   b_m0_1_num_batches_tracked  m0.1.num_batches_tracked  ()      ()      int64    cpu     no
+#   batch_x                     input leaf 0              (5, 4)  (4, 1)  float32  cpu     -
 # All modules' parameters, then all modules' buffers, in named_parameters() /
 # named_buffers() order, each tensor once (a tied weight appears under its first name).
 # With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
@@ -148,11 +141,14 @@ GRAD_PARAM_INDICES: list[int] = []
 # (index into PARAM_NAMES, set_to_none) for each parameter whose .grad the function
 # reset with zero_grad(); each call resets them so before adding the gradients.
 GRAD_RESETS: list[tuple[int, bool]] = []
-# Pytree specs (treespec_dumps) of the non-module arguments and of the result. IN_SPEC
-# is None when the input structure could not be serialised; it is then not checked.
+# Pytree specs (treespec_dumps) of the non-module arguments and of the result, each
+# drawn above it as treespec_pprint draws it (* is a leaf). IN_SPEC is None when the
+# input structure could not be serialised; it is then not checked.
+# IN_SPEC: ({'x': *},)
 IN_SPEC: str | None = (
     '[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": "builtins.dict", "context": "[\\"x\\"]", "children_spec": [{"type": null, "context": null, "children_spec": []}]}]}]'
 )
+# OUT_SPEC: {'logits': *, 'features': *, 'count': *}
 OUT_SPEC: str = (
     '[1, {"type": "builtins.dict", "context": "[\\"logits\\", \\"features\\", \\"count\\"]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]'
 )

@@ -32,6 +32,20 @@
 # `[*params, *buffers, *user_input_leaves]` and returns the function's flat outputs
 # followed by the harvested parameter gradients.
 #
+# Inductor names the graph's inputs by position (`arg0_1`, ...); they are, in the
+# order the driver passes them:
+#   inductor  input       what
+#   arg0_1    p_0_weight  parameter 0.weight
+#   arg1_1    p_0_bias    parameter 0.bias
+#   arg2_1    p_2_weight  parameter 2.weight
+#   arg3_1    p_2_bias    parameter 2.bias
+#   arg4_1    x           input leaf 0
+#
+# AOTAutograd's code binds Inductor's inner `call` as `_inner_call` and then defines
+# the `call` the driver runs around it (hence its `# noqa: F811`); the note its
+# comment refers to, in _compose_standalone_module, is in torch's source
+# (torch/_functorch/_aot_autograd/to_standalone_python.py), not in this file.
+#
 # Only its imports from torch._inductor are rewritten, so that running it imports
 # none of Inductor's compiler (README, "Loading without the compiler"):
 #   from torch._inductor.hooks import run_intermediate_hooks
@@ -44,6 +58,9 @@
 #     -> AsyncCompile = _AsyncCompile
 #   from torch._inductor.select_algorithm import extern_kernels
 #     -> extern_kernels = SimpleNamespace(addmm=torch.addmm)
+#
+# Inductor's compile-time auto-tuning block, a string of code (naming imports from
+# torch._inductor) that only its compiler runs and nothing here reads, is left out.
 #
 # Each C++ kernel is imported from its binary when precompile_gen.load put the cache's
 # binaries in place; any other compiles from the source below, through Inductor.
@@ -138,25 +155,6 @@ import torch
 # ======================================================================
 # Inner Inductor output code (kernels + ``call``)
 # ======================================================================
-r"""
-Compile-time auto-tuning block: 
-
-import torch
-from math import inf, nan
-from torch._dynamo.testing import rand_strided
-from torch._dynamo.utils import preserve_rng_state
-from torch._inductor.select_algorithm import AlgorithmSelectorCache
-from torch._inductor.async_compile import AsyncCompile
-
-async_compile = AsyncCompile()
-generate_example_value = AlgorithmSelectorCache.generate_example_value
-empty_strided_cuda = torch._C._dynamo.guards._empty_strided_cuda
-empty_strided_xpu = torch._C._dynamo.guards._empty_strided_xpu
-get_raw_stream = torch._C._cuda_getCurrentRawStream
-
-async_compile.wait(globals())
-del async_compile
-"""
 from ctypes import c_void_p, c_long, c_int
 import torch
 import math
@@ -310,6 +308,8 @@ BACKEND: str = "inductor"
 # Positions of the nn.Module arguments among the traced function's arguments.
 MODULE_POSITIONS: list[int] = [0]
 NUM_POSITIONAL_ARGS: int = 2
+# The traced function's own name for each positional argument, by position.
+ARGUMENT_NAMES: list[str] = ["model", "x"]
 # Per module argument: the `training` flag of each of its modules() at the traced call
 # (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
 MODULE_TRAINING: list[list[bool]] = [[True, True, True, True]]
@@ -318,6 +318,14 @@ MODULE_TRAINING: list[list[bool]] = [[True, True, True, True]]
 # trace ran them, so the graph has their effect built in and runs no other hook.
 MODULE_HOOKS: list[dict[str, dict[str, int]]] = [{}]
 GLOBAL_MODULE_HOOKS: dict[str, int] = {}
+# The graph's inputs at a glance (the constants below are the record): each
+# parameter, buffer and input leaf, by the name the graph gives it.
+#   input       name          shape   stride  dtype    device  requires grad
+#   p_0_weight  0.weight      (8, 4)  (4, 1)  float32  cpu     yes
+#   p_0_bias    0.bias        (8,)    (1,)    float32  cpu     yes
+#   p_2_weight  2.weight      (2, 8)  (8, 1)  float32  cpu     yes
+#   p_2_bias    2.bias        (2,)    (1,)    float32  cpu     yes
+#   x           input leaf 0  (3, 4)  (4, 1)  float32  cpu     -
 # All modules' parameters, then all modules' buffers, in named_parameters() /
 # named_buffers() order, each tensor once (a tied weight appears under its first name).
 # With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
@@ -347,11 +355,14 @@ GRAD_PARAM_INDICES: list[int] = []
 # (index into PARAM_NAMES, set_to_none) for each parameter whose .grad the function
 # reset with zero_grad(); each call resets them so before adding the gradients.
 GRAD_RESETS: list[tuple[int, bool]] = []
-# Pytree specs (treespec_dumps) of the non-module arguments and of the result. IN_SPEC
-# is None when the input structure could not be serialised; it is then not checked.
+# Pytree specs (treespec_dumps) of the non-module arguments and of the result, each
+# drawn above it as treespec_pprint draws it (* is a leaf). IN_SPEC is None when the
+# input structure could not be serialised; it is then not checked.
+# IN_SPEC: (*,)
 IN_SPEC: str | None = (
     '[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}]}]'
 )
+# OUT_SPEC: *
 OUT_SPEC: str = '[1, {"type": null, "context": null, "children_spec": []}]'
 # Per flattened input leaf: shape (None for a dynamic dim), dtype and device, or None
 # for a non-tensor leaf; and the declared {dim: (min, max)} of its dynamic dims.
