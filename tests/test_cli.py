@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_golden import full_artifact, split_runtime
+from test_golden import full_artifact
 
 from precompile_gen import kernel_binaries
 from precompile_gen.cache import build_cache

@@ -41,6 +41,10 @@ import torch
 
 def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, target, optimizer_0_weight_momentum_buffer, optimizer_0_bias_momentum_buffer, optimizer_2_weight_momentum_buffer, optimizer_2_bias_momentum_buffer, optimizer_group0_lr):
     t = torch.ops.aten.t.default(p_0_weight)
+    mul_ = torch.ops.aten.mul_.Tensor(optimizer_0_weight_momentum_buffer, 0.9);  optimizer_0_weight_momentum_buffer = None
+    mul__1 = torch.ops.aten.mul_.Tensor(optimizer_0_bias_momentum_buffer, 0.9);  optimizer_0_bias_momentum_buffer = None
+    mul__2 = torch.ops.aten.mul_.Tensor(optimizer_2_weight_momentum_buffer, 0.9);  optimizer_2_weight_momentum_buffer = None
+    mul__3 = torch.ops.aten.mul_.Tensor(optimizer_2_bias_momentum_buffer, 0.9);  optimizer_2_bias_momentum_buffer = None
     addmm = torch.ops.aten.addmm.default(p_0_bias, x, t);  t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
     alias = torch.ops.aten.alias.default(relu)
@@ -57,8 +61,12 @@ def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, target, 
     sum_1 = torch.ops.aten.sum.dim_IntList(mse_loss_backward, [0], True);  mse_loss_backward = None
     view = torch.ops.aten.view.default(sum_1, [2]);  sum_1 = None
     alias_1 = torch.ops.aten.alias.default(view);  view = None
+    add__3 = torch.ops.aten.add_.Tensor(mul__3, alias_1);  mul__3 = None
+    addcmul__3 = torch.ops.aten.addcmul_.default(p_2_bias, add__3, optimizer_group0_lr, value = -1);  p_2_bias = add__3 = addcmul__3 = None
     t_5 = torch.ops.aten.t.default(t_4);  t_4 = None
     alias_2 = torch.ops.aten.alias.default(t_5);  t_5 = None
+    add__2 = torch.ops.aten.add_.Tensor(mul__2, alias_2);  mul__2 = None
+    addcmul__2 = torch.ops.aten.addcmul_.default(p_2_weight, add__2, optimizer_group0_lr, value = -1);  p_2_weight = add__2 = addcmul__2 = None
     alias_3 = torch.ops.aten.alias.default(alias);  alias = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm, alias_3, 0);  mm = alias_3 = None
     t_6 = torch.ops.aten.t.default(threshold_backward)
@@ -67,21 +75,13 @@ def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, target, 
     sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
     view_1 = torch.ops.aten.view.default(sum_2, [8]);  sum_2 = None
     alias_4 = torch.ops.aten.alias.default(view_1);  view_1 = None
-    t_8 = torch.ops.aten.t.default(t_7);  t_7 = None
-    alias_5 = torch.ops.aten.alias.default(t_8);  t_8 = None
-    alias_6 = torch.ops.aten.alias.default(mse_loss);  mse_loss = None
-    mul_ = torch.ops.aten.mul_.Tensor(optimizer_0_weight_momentum_buffer, 0.9);  optimizer_0_weight_momentum_buffer = None
-    add_ = torch.ops.aten.add_.Tensor(mul_, alias_5);  mul_ = None
-    addcmul_ = torch.ops.aten.addcmul_.default(p_0_weight, add_, optimizer_group0_lr, value = -1);  p_0_weight = add_ = addcmul_ = None
-    mul__1 = torch.ops.aten.mul_.Tensor(optimizer_0_bias_momentum_buffer, 0.9);  optimizer_0_bias_momentum_buffer = None
     add__1 = torch.ops.aten.add_.Tensor(mul__1, alias_4);  mul__1 = None
     addcmul__1 = torch.ops.aten.addcmul_.default(p_0_bias, add__1, optimizer_group0_lr, value = -1);  p_0_bias = add__1 = addcmul__1 = None
-    mul__2 = torch.ops.aten.mul_.Tensor(optimizer_2_weight_momentum_buffer, 0.9);  optimizer_2_weight_momentum_buffer = None
-    add__2 = torch.ops.aten.add_.Tensor(mul__2, alias_2);  mul__2 = None
-    addcmul__2 = torch.ops.aten.addcmul_.default(p_2_weight, add__2, optimizer_group0_lr, value = -1);  p_2_weight = add__2 = addcmul__2 = None
-    mul__3 = torch.ops.aten.mul_.Tensor(optimizer_2_bias_momentum_buffer, 0.9);  optimizer_2_bias_momentum_buffer = None
-    add__3 = torch.ops.aten.add_.Tensor(mul__3, alias_1);  mul__3 = None
-    addcmul__3 = torch.ops.aten.addcmul_.default(p_2_bias, add__3, optimizer_group0_lr, value = -1);  p_2_bias = add__3 = optimizer_group0_lr = addcmul__3 = None
+    t_8 = torch.ops.aten.t.default(t_7);  t_7 = None
+    alias_5 = torch.ops.aten.alias.default(t_8);  t_8 = None
+    add_ = torch.ops.aten.add_.Tensor(mul_, alias_5);  mul_ = None
+    addcmul_ = torch.ops.aten.addcmul_.default(p_0_weight, add_, optimizer_group0_lr, value = -1);  p_0_weight = add_ = optimizer_group0_lr = addcmul_ = None
+    alias_6 = torch.ops.aten.alias.default(mse_loss);  mse_loss = None
     return [alias_6, alias_5, alias_4, alias_2, alias_1]
 
 
