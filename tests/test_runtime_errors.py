@@ -546,11 +546,6 @@ def _sgd_step(
     return loss.detach()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the shape message is written by templates/driver/arguments.py.j2, which "
-    "suggests mark_unbacked for every capture",
-)
 def test_the_shape_message_of_an_optimizer_step_does_not_suggest_mark_unbacked() -> (
     None
 ):

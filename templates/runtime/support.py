@@ -66,9 +66,12 @@ def _tensor_leaf_problem(
     shape: tuple[int | None, ...],
     dtype: str | None,
     device: str | None,
+    can_mark_dims: bool,
 ) -> str | None:
     """What is wrong with the input leaf ``name`` for the example's tensor of this
-    shape (None for a dynamic dim), dtype and device; None if nothing is."""
+    shape (None for a dynamic dim), dtype and device; None if nothing is. Where the
+    capture could not have had ``mark_unbacked`` dims (an optimizer argument, DTensors)
+    the shape message does not suggest them."""
     if not isinstance(leaf, torch.Tensor):
         return (
             f"{name} must be a tensor of shape {_show_shape(shape)}, as in the "
@@ -80,8 +83,13 @@ def _tensor_leaf_problem(
         return (
             f"{name} has shape {tuple(leaf.shape)}, but the artifact was captured "
             f"with shape {_show_shape(shape)}; shapes are specialised to the example. "
-            "Pass that shape, or capture again with this one (a dynamic dim can be "
-            "marked with mark_unbacked on the inductor backend)."
+            "Pass that shape, or capture again with this one"
+            + (
+                " (a dynamic dim can be marked with mark_unbacked on the inductor "
+                "backend)."
+                if can_mark_dims
+                else "."
+            )
         )
     if str(leaf.dtype) != dtype:
         return (

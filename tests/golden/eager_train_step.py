@@ -269,7 +269,12 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
     assert shape is not None  # every leaf of this capture is a tensor
     name = _leaf_name(user_inputs, index)
     problem = _tensor_leaf_problem(
-        name, leaf, shape, USER_INPUT_DTYPES[index], USER_INPUT_DEVICES[index]
+        name,
+        leaf,
+        shape,
+        USER_INPUT_DTYPES[index],
+        USER_INPUT_DEVICES[index],
+        can_mark_dims=True,
     )
     if problem is not None:
         _fail(problem)
@@ -410,7 +415,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support (sha256 e3c4b52bcddb2d9dfc0a101aebec4fdc17fe81e50c5fac8515a896e445fc80cf)
+# 4. Runtime support (sha256 8dbbd753897d1be15470660ffe62e5e363805b95cc717953ce2603396cecfc71)
 # ====================================================================================
 # (its text: tests/golden/runtime/support.py, pinned once for every golden)
 
