@@ -34,8 +34,11 @@ step leaves) is read, the kernel's high-water mark is reset through
 ``/proc/self/clear_refs``, one step runs, and the peak is the high-water mark above
 that steady state: what the step itself allocates at its busiest.
 
-The ``leaves no gradient`` row is GPT-2's step with ``zero_grad(set_to_none=True)``
-after ``optimizer.step()``: the same update, but no gradient outlives the step.
+The ``leaves no gradient`` rows are GPT-2's step with ``zero_grad(set_to_none=True)``
+after ``optimizer.step()``: the same update, but no gradient outlives the step, so
+a system that runs each parameter's update as soon as its gradient is final never
+holds all the gradients at once. With a batch of 4 sequences the activations the
+backward starts with outweigh that; with one sequence the gradients decide the peak.
 
 All numbers are ratios to torch.compile measured in this one run, at torch's default
 thread count.
