@@ -143,6 +143,11 @@ def _gpt2(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return GPT2LMHeadModel(config), tokens[:, :-1], tokens[:, 1:]
 
 
+def _gpt2_one_sequence(quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model, x, y = _gpt2(quick)
+    return model, x[:1].clone(), y[:1].clone()
+
+
 @dataclass(frozen=True)
 class Case:
     label: str
@@ -154,6 +159,11 @@ CASES = [
     Case("resnet18", _resnet18, classify_step),
     Case("GPT-2 small", _gpt2, language_step),
     Case("GPT-2, leaves no gradient", _gpt2, language_step_leaving_no_gradient),
+    Case(
+        "GPT-2, 1 seq., no gradient",
+        _gpt2_one_sequence,
+        language_step_leaving_no_gradient,
+    ),
 ]
 
 
