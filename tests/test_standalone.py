@@ -194,6 +194,11 @@ def hand_built_capture() -> pg.CaptureResult:
             ),
             InputLeaf(None, None, None, None, None, None, 0.1),
         ],
+        graph=dataclasses.replace(
+            stub_capture("eager").graph,
+            input_names=["p_m0_w_ight", "p_m1_bias", "b_running_mean", "x", "y"]
+            + ["literal0"],
+        ),
     )
 
 
