@@ -5,6 +5,7 @@ binary, falls back to compiling, with a warning."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import hashlib
 import io
@@ -328,6 +329,17 @@ def test_an_artifact_executed_on_its_own_builds_its_kernels_at_the_first_call(
     # Built once: a later call runs the same kernels.
     _assert_matches_eager(namespace["forward"])
     assert all(namespace[name] is kernel for name, kernel in built.items())
+
+
+def test_concurrent_first_calls_of_an_artifact_executed_on_its_own(pair: Pair) -> None:
+    # Each thread's first call finds the kernels deferred; one builds them while the
+    # others wait, and every call runs built kernels.
+    namespace: dict[str, object] = {}
+    exec(compile(pair.code, "<artifact>", "exec"), namespace)
+    forward = namespace["forward"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: _assert_matches_eager(forward), range(4)))
+    assert namespace["_DEFERRED_KERNEL_SCOPES"] == []
 
 
 @pytest.mark.parametrize(

@@ -722,27 +722,34 @@ def _resolve_kernels(namespace: dict[str, Any]) -> None:
     their records in the scopes it waited on. Its AsyncCompile stand-in only records
     them, since it runs before this section is defined; precompile_gen.load calls this
     right after executing the artifact, forward() at its first call otherwise. Once
-    they are built (or in an artifact without kernels) there is nothing to do.
-
-    Concurrent first calls may each build a kernel; each binds a working one, and the
-    scopes are only marked done once every kernel in them is built."""
+    they are built (or in an artifact without kernels) there is nothing to do."""
     scopes = namespace.get("_DEFERRED_KERNEL_SCOPES")
     if not scopes:
         return
-    builder = _KernelBuilder(
-        namespace["_DeferredKernel"], namespace.get("__kernel_binaries__", {})
-    )
-    for scope in list(scopes):
-        built = {
-            name: builder.build(value)
-            for name, value in list(scope.items())
-            if type(value) is builder.deferred
-        }
-        # Inductor may hand back a kernel still compiling (a future); wait for those
-        # before any is bound where the graph calls it.
-        builder.wait(built)
-        scope.update(built)
-    scopes.clear()
+    # Concurrent first calls wait for the one building: Inductor's compiler state is
+    # process-global, and no call may run a kernel that is still a record.
+    with _kernels_lock(namespace):
+        builder = _KernelBuilder(
+            namespace["_DeferredKernel"], namespace.get("__kernel_binaries__", {})
+        )
+        for scope in scopes:
+            built = {
+                name: builder.build(value)
+                for name, value in list(scope.items())
+                if type(value) is builder.deferred
+            }
+            # Inductor may hand back a kernel still compiling (a future): wait for
+            # those before any is bound where the graph calls it.
+            builder.wait(built)
+            scope.update(built)
+        scopes.clear()
+
+
+def _kernels_lock(namespace: dict[str, Any]) -> Any:
+    import threading
+
+    # setdefault is atomic: every thread gets the one lock, whichever made it.
+    return namespace.setdefault("_KERNELS_LOCK", threading.Lock())
 
 
 class _KernelBuilder:
