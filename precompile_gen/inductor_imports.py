@@ -6,9 +6,10 @@ and importing any module of that package imports Inductor's compiler and Dynamo
 Lowering therefore rewrites those import lines, mechanically, and nothing else:
 
 - ``from torch._inductor.async_compile import AsyncCompile`` binds ``AsyncCompile`` to
-  the artifact's ``_AsyncCompile`` instead, which imports each C++ kernel from the
-  binary ``precompile_gen.load`` put in place and hands every other kernel to
-  Inductor's own AsyncCompile, imported only then; likewise
+  the artifact's ``_AsyncCompile`` instead, which records each kernel for the runtime
+  support's ``_resolve_kernels`` to build: it imports each C++ kernel from the binary
+  ``precompile_gen.load`` put in place and hands every other kernel to Inductor's own
+  AsyncCompile, imported only then; likewise
   ``assert_tensor_metadata`` (a fallback kernel's output check) is bound to the
   artifact's ``_assert_tensor_metadata``, which makes the same check;
 - ``from torch._inductor.select_algorithm import extern_kernels`` (Inductor's table of

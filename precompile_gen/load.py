@@ -184,6 +184,15 @@ def load(
         return _execute(text, filename, signed=signed, binaries=binaries or {})
 
 
+def _resolve_kernels(namespace: dict[str, object]) -> None:
+    # The graph section only records its kernels, as it runs before the runtime
+    # support that builds them exists; built here, they are imported (or compiled)
+    # at load, and the first call runs them at once.
+    resolve = namespace.get("_resolve_kernels")
+    if callable(resolve):
+        resolve(namespace)
+
+
 def _artifact_text(python_code: object) -> tuple[str, str | None]:
     """The artifact's text, and the absolute path it was read from (None for text)."""
     if isinstance(python_code, str):
@@ -263,6 +272,8 @@ def _execute(
         namespace["__kernel_binaries__"] = binaries
     try:
         exec(compile(python_code, filename, "exec"), namespace)
+        if binaries is not None:
+            _resolve_kernels(namespace)
     except PrecompileError:
         raise  # already says what failed and how to fix it
     except Exception as error:

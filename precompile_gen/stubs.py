@@ -51,7 +51,7 @@ _GRAPH_STUBS: dict[Backend, str] = {
         "assert_tensor_metadata = _assert_tensor_metadata\n"
         "\n"
         "\n"
-        "def _kernel() -> object:  # not called: building it would run the compiler\n"
+        "def _kernel() -> object:  # not called: it stands for Inductor's kernel code\n"
         "    async_compile = AsyncCompile()\n"
         '    kernel = async_compile.cpp_pybinding(["float*"], "source")\n'
         "    async_compile.wait(globals())\n"

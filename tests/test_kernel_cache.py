@@ -5,6 +5,7 @@ binary, falls back to compiling, with a warning."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import hashlib
 import io
@@ -14,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,6 +274,8 @@ def test_a_binary_that_cannot_be_imported_is_compiled_with_a_warning(
 ) -> None:
     # Executed with a binary that is no kernel module (as when a library it needs
     # is missing here), the artifact compiles that kernel instead, after a warning.
+    # Executed other than by load, it builds its kernels at the first call: the
+    # warning comes then, not while the module is executed.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     sources = pg.parse_metadata(pair.code)["KERNEL_SOURCES"]
     assert isinstance(sources, dict)
@@ -279,9 +283,63 @@ def test_a_binary_that_cannot_be_imported_is_compiled_with_a_warning(
     broken = tmp_path / "broken.main.so"
     broken.write_bytes(b"not a shared library")
     namespace: dict[str, object] = {"__kernel_binaries__": {digest: str(broken)}}
-    with pytest.warns(UserWarning, match="cannot be imported here"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         exec(compile(pair.code, "<artifact>", "exec"), namespace)
+    with pytest.warns(UserWarning, match="cannot be imported here"):
+        _assert_matches_eager(namespace["forward"])
+
+
+def _kernel_names(code: str) -> list[str]:
+    return re.findall(r"^(\w+) = async_compile\.cpp_pybinding\(", code, re.M)
+
+
+def test_load_builds_every_kernel_before_the_first_call(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The graph section only records its kernels; load builds them right after
+    # executing it, so the first call runs them at once.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    forward = pg.load(pair.code, pair.cache)
+    assert callable(forward)
+    scope = forward.__globals__
+    assert scope["_DEFERRED_KERNEL_SCOPES"] == []
+    names = _kernel_names(pair.code)
+    assert names
+    for name in names:
+        assert callable(scope[name])
+        assert not isinstance(scope[name], scope["_DeferredKernel"])
+    _assert_matches_eager(forward)
+
+
+def test_an_artifact_executed_on_its_own_builds_its_kernels_at_the_first_call(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    namespace: dict[str, object] = {}
+    exec(compile(pair.code, "<artifact>", "exec"), namespace)
+    names = _kernel_names(pair.code)
+    deferred = namespace["_DeferredKernel"]
+    assert isinstance(deferred, type)
+    assert all(isinstance(namespace[name], deferred) for name in names)
     _assert_matches_eager(namespace["forward"])
+    assert namespace["_DEFERRED_KERNEL_SCOPES"] == []
+    built = {name: namespace[name] for name in names}
+    assert not any(isinstance(kernel, deferred) for kernel in built.values())
+    # Built once: a later call runs the same kernels.
+    _assert_matches_eager(namespace["forward"])
+    assert all(namespace[name] is kernel for name, kernel in built.items())
+
+
+def test_concurrent_first_calls_of_an_artifact_executed_on_its_own(pair: Pair) -> None:
+    # Each thread's first call finds the kernels deferred; one builds them while the
+    # others wait, and every call runs built kernels.
+    namespace: dict[str, object] = {}
+    exec(compile(pair.code, "<artifact>", "exec"), namespace)
+    forward = namespace["forward"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: _assert_matches_eager(forward), range(4)))
+    assert namespace["_DEFERRED_KERNEL_SCOPES"] == []
 
 
 @pytest.mark.parametrize(

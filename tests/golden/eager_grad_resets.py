@@ -435,7 +435,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support (sha256 8dbbd753897d1be15470660ffe62e5e363805b95cc717953ce2603396cecfc71)
+# 4. Runtime support (sha256 cee91379436baf23929878d516e24ebed2288ce8f31ab0c19e47bdb4ab12cec7)
 # ====================================================================================
 # (its text: tests/golden/runtime/support.py, pinned once for every golden)
 
