@@ -196,8 +196,7 @@ def hand_built_capture() -> pg.CaptureResult:
         ],
         graph=dataclasses.replace(
             stub_capture("eager").graph,
-            input_names=["p_m0_w_ight", "p_m1_bias", "b_running_mean", "x", "y"]
-            + ["literal0"],
+            input_names=["p_m0_w", "p_m1_bias", "b_running_mean", "x", "y", "lit0"],
         ),
     )
 
