@@ -14,6 +14,7 @@ switches between train and eval mode are put back as they were.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -208,6 +209,8 @@ def trace(
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
     fn_name = function_name(fn)
+    # Messages name each argument by position and by fn's own name for it.
+    arguments = graph_names.argument_names(fn, len(example_inputs))
     dtensors.check_capture(example_inputs)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
@@ -267,10 +270,12 @@ def trace(
     input_types = [
         path
         for position, argument in zip(user_positions, user_inputs, strict=True)
-        for path in pytree_types.record(argument, f"argument {position}", result=False)
+        for path in pytree_types.record(
+            argument, functools.partial(convention.argument, position, arguments)
+        )
     ]
     user_leaves, in_spec = pytree.tree_flatten(user_inputs)
-    leaf_names = _leaf_names(example_inputs, lifted_positions, user_inputs)
+    leaf_names = convention.leaf_names(user_positions, arguments, user_inputs)
     _reject_nested_modules(user_leaves, leaf_names)
     marks = dynamic_dims.read_dim_marks(user_leaves, leaf_names, backend)
     symbolic = (
@@ -365,7 +370,7 @@ def trace(
         grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat[:state_start], leaf_names)
         harvest["pytree_types"] = pytree_types.record(
-            result, f"the result of {fn_name!r}", result=True
+            result, functools.partial(_result_part, fn_name), result=True
         )
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
         result_leaves, harvest["scalar_outputs"] = data_dependent.scalar_outputs(
@@ -474,7 +479,6 @@ def trace(
     if backend == "inductor" and dtensor_layouts:
         local = dtensors.to_local_graph(gm, flat_args, decompositions)
         gm, flat_args = local.gm, local.flat_args
-    arguments = graph_names.argument_names(fn, len(example_inputs))
     return TracedGraph(
         argument_names=arguments,
         input_names=graph_names.graph_input_names(
@@ -699,17 +703,9 @@ def _interleave(
     ]
 
 
-def _leaf_names(
-    example_inputs: tuple[object, ...],
-    lifted_positions: list[int],
-    user_inputs: tuple[object, ...],
-) -> list[str]:
-    """Each user-input leaf named by where it sits in the call, as the artifact's
-    driver names it (e.g. "argument 1['x']")."""
-    user_positions = [
-        i for i in range(len(example_inputs)) if i not in lifted_positions
-    ]
-    return convention.leaf_names(user_positions, user_inputs)
+def _result_part(fn_name: str, path: str) -> str:
+    """How messages name the part of fn's result at ``path``."""
+    return f"the result of {fn_name!r}" + (f" at {path}" if path else "")
 
 
 def _reject_symbolic_aliasing(
