@@ -51,9 +51,8 @@ def _visit(
             if kind == "dataclass"
             else pytree.SUPPORTED_SERIALIZED_TYPES
         )
-        if cls not in registered:
-            if _importable(cls, path, kind, where(keys), result):
-                convention.register_pytree_type(cls, path)
+        if cls not in registered and _importable(cls, path, kind, where(keys), result):
+            convention.register_pytree_type(cls, path)
         if _serialized_name(cls) == path and path not in paths:
             paths.append(path)
     if pytree.tree_is_leaf(tree):

@@ -218,7 +218,7 @@ def trace(
     modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
     for position, module in zip(module_positions, modules, strict=True):
         if data_parallel.is_data_parallel(module):
-            data_parallel.check_module(module, position)
+            data_parallel.check_module(module, convention.argument(position, arguments))
     # First, on copies: refuses Python effects before the trace would make them.
     with data_parallel.in_place_as_functional():
         python_values = python_state.observe(
@@ -256,10 +256,11 @@ def trace(
             position,
             state.tensors[: state.num_params],
             sparse_names,
+            where=convention.argument(position, arguments),
         )
         for position in optimizer_positions
     ]
-    deferrals = sparse_gradients.Deferrals()
+    deferrals = sparse_gradients.Deferrals(arguments)
     user_inputs = tuple(
         a for i, a in enumerate(example_inputs) if i not in lifted_positions
     )
@@ -453,6 +454,7 @@ def trace(
             for index in harvest["grad_param_indices"]
             if not any(index in step.params for step in deferred_steps)
         ],
+        arguments,
     )
     deferrals.reject_reads_after_steps(gm, sparse_names, state.param_names)
     sparse = sparse_gradients.split(
@@ -462,7 +464,7 @@ def trace(
         sparse_names,
         state.param_names,
     )
-    constants = _lift_constants(gm, fn, modules, module_positions)
+    constants = _lift_constants(gm, fn, modules, module_positions, arguments)
     if symbolic is None:
         flat_args += [tensor for _, tensor in constants]
     else:
@@ -847,12 +849,13 @@ def _lift_constants(
     fn: Callable[..., object],
     modules: list[torch.nn.Module],
     module_positions: list[int],
+    arguments: list[str],
 ) -> list[tuple[str, torch.Tensor]]:
     """Turn each tensor literal fn created (``torch.tensor(-100.0)``) into a graph
     input after the user-input leaves, which the artifact feeds from a literal; reject
     every other tensor the graph reads that is neither an input nor computed: it
     existed before fn ran, may change between calls, and would be baked in."""
-    origins = _tensor_origins(fn, modules, module_positions)
+    origins = _tensor_origins(fn, modules, module_positions, arguments)
     literals: list[tuple[torch.fx.Node, torch.Tensor]] = []
     rejected = []
     for node in gm.graph.find_nodes(op="get_attr"):
@@ -937,6 +940,7 @@ def _tensor_origins(
     fn: Callable[..., object],
     modules: list[torch.nn.Module],
     module_positions: list[int],
+    arguments: list[str],
 ) -> dict[int, str]:
     """Where a closed-over tensor could come from, by identity."""
     origins: dict[int, str] = {}
@@ -956,8 +960,9 @@ def _tensor_origins(
                 if isinstance(value, torch.Tensor) and name not in registered:
                     qualified = f"{path}.{name}" if path else name
                     origins[id(value)] = (
-                        f"the plain attribute {qualified!r} of the module at argument "
-                        f"{position} (not a registered parameter or buffer)"
+                        f"the plain attribute {qualified!r} of the module at "
+                        f"{convention.argument(position, arguments)} (not a "
+                        "registered parameter or buffer)"
                     )
     return origins
 
@@ -996,6 +1001,7 @@ def _finish_optimizers(
     lifted: list[optimizers.LiftedOptimizer],
     stepped: set[int],
     grad_param_indices: list[int],
+    arguments: list[str],
 ) -> list[OptimizerArgument]:
     """The optimizer arguments as the trace used them: a state tensor the step never
     read (its parameter got no gradient, or fn did not step) is no graph input, and
@@ -1022,9 +1028,10 @@ def _finish_optimizers(
             updated = any(index in grad_param_indices for index in group.params)
             if argument.steps and updated and not placeholders[position].users:
                 raise PrecompileError(
-                    f"the step of the optimizer {argument.name} at argument "
-                    f"{argument.position} did not read param group {number}'s lr "
-                    "from the tensor the artifact passes, so the graph would keep "
+                    f"the step of the optimizer {argument.name} at "
+                    f"{convention.argument(argument.position, arguments)} did not "
+                    f"read param group {number}'s lr from the tensor the artifact "
+                    "passes, so the graph would keep "
                     "the example's learning rate. This configuration of the "
                     "optimizer is not supported inside the artifact; call it after "
                     "the precompiled function."
