@@ -290,11 +290,11 @@ def _line_of(text: str) -> str:
 @pytest.mark.parametrize(
     ("fn", "model", "target", "line"),
     [
-        (scaled, Counting(), "argument 0: .calls", "        self.calls += 1"),
+        (scaled, Counting(), "argument 0 (`model.calls`)", "        self.calls += 1"),
         (
             scaled,
             Logging(),
-            "argument 0: .seen",
+            "argument 0 (`model.seen`)",
             "        self.seen.append(tuple(x.shape))",
         ),
         (count_calls, nn.Linear(4, 4), "global COUNT", "    COUNT += 1"),
@@ -430,7 +430,9 @@ def test_a_value_gone_from_the_model_is_rejected(loaded: Callable[..., object]) 
     del model.temperature
     with pytest.raises(pg.PrecompileError) as error:
         loaded(model, x)
-    assert "at argument 0: .temperature is missing in this call" in str(error.value)
+    assert "at argument 0 (`model.temperature`) is missing in this call" in str(
+        error.value
+    )
     assert "Set it back to 1.0" in str(error.value)
 
 
