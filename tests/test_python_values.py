@@ -95,19 +95,19 @@ def test_the_values_read_are_recorded_with_their_paths() -> None:
 
 
 @pytest.mark.parametrize(
-    ("path", "attribute", "changed"),
+    ("where", "attribute", "changed"),
     [
-        ("argument 0: .temperature", "temperature", 2.0),
-        ("argument 0: .use_skip", "use_skip", False),
-        ("argument 0: .drop.p", "drop.p", 0.5),
-        ("argument 0: .config.output_scaled", "config.output_scaled", False),
-        ("argument 0: .config.dtype", "config.dtype", torch.float64),
-        ("argument 0: .mode", "mode", Mode.MEAN),
-        ("argument 0: .temperature", "temperature", 1),  # an int for the float
+        ("argument 0 (`model.temperature`)", "temperature", 2.0),
+        ("argument 0 (`model.use_skip`)", "use_skip", False),
+        ("argument 0 (`model.drop.p`)", "drop.p", 0.5),
+        ("argument 0 (`model.config.output_scaled`)", "config.output_scaled", False),
+        ("argument 0 (`model.config.dtype`)", "config.dtype", torch.float64),
+        ("argument 0 (`model.mode`)", "mode", Mode.MEAN),
+        ("argument 0 (`model.temperature`)", "temperature", 1),  # an int for the float
     ],
 )
 def test_a_changed_value_is_rejected_and_matches_eager_once_set_back(
-    loaded: Callable[..., object], path: str, attribute: str, changed: object
+    loaded: Callable[..., object], where: str, attribute: str, changed: object
 ) -> None:
     model, x = Scaled(), example()
     torch.testing.assert_close(loaded(model, x), scaled(model, x))
@@ -122,7 +122,7 @@ def test_a_changed_value_is_rejected_and_matches_eager_once_set_back(
     with pytest.raises(pg.PrecompileError) as error:
         loaded(model, x)
     message = str(error.value)
-    assert f"at {path} is {changed!r}" in message
+    assert f"at {where} is {changed!r}" in message
     assert f"it was {traced!r} when the function was traced" in message
     assert "Set it back" in message and "capture again" in message
     snapshot.assert_unchanged()

@@ -658,7 +658,9 @@ def _python_values_problem(
         if value is _UNCHECKED:
             continue
         if value is _ABSENT or repr(value) != traced:
-            return _describe_python_value(_python_value_place(path, names), value, traced)
+            return _describe_python_value(
+                _python_value_place(path, names), value, traced
+            )
         if None in path_links:
             rereads.append((path, value))
         links += path_links
