@@ -164,6 +164,18 @@ def test_static_dim_is_still_checked(inference: Compiled) -> None:
     )
 
 
+def test_a_wrong_input_is_named_by_position_and_name(
+    training: CompiledTraining,
+) -> None:
+    model = with_grads(make_bn_mlp(3))
+    snapshot = StateSnapshot(model)
+    assert_rejected(
+        lambda: training.forward(model, randn(6, 4, seed=0), randn(6, 5, seed=1)),
+        ["argument 2 (`target`) has shape (6, 5)", "shape (*, 3)"],
+    )
+    snapshot.assert_unchanged()
+
+
 def test_shared_shape_id_sizes_must_agree_at_run_time(
     training: CompiledTraining,
 ) -> None:

@@ -579,3 +579,107 @@ def test_the_shape_message_of_an_optimizer_step_does_not_suggest_mark_unbacked()
     assert "argument 2 (`x`) has shape (5, 4)" in message
     assert "Pass that shape, or capture again with this one" in message
     assert "mark_unbacked" not in message
+
+
+# --- arguments named by position and by the traced function's own name --------------
+
+
+@pytest.fixture(scope="module")
+def sgd_artifact() -> Artifact:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return _build(_sgd_step, model, optimizer, torch.randn(3, 4))
+
+
+def test_a_tensor_argument_is_named_by_position_and_name(
+    sgd_artifact: Artifact,
+) -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert_call_rejected(
+        sgd_artifact.forward,
+        model,
+        optimizer,
+        torch.randn(3, 4, dtype=torch.float64),
+        match=["argument 2 (`x`) has dtype torch.float64", ".to(torch.float32)"],
+    )
+
+
+def test_a_module_argument_is_named_by_position_and_name(
+    sgd_artifact: Artifact,
+) -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert_call_rejected(
+        sgd_artifact.forward,
+        {"model": model},
+        optimizer,
+        torch.randn(3, 4),
+        match=["argument 0 (`model`) must be an nn.Module", "got dict"],
+        also_unchanged=[model],
+    )
+
+
+def test_an_optimizer_argument_is_named_by_position_and_name(
+    sgd_artifact: Artifact,
+) -> None:
+    model = nn.Linear(4, 2)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    assert_call_rejected(
+        sgd_artifact.forward,
+        model,
+        adam,
+        torch.randn(3, 4),
+        match=["argument 1 (`optimizer`) must be a torch.optim.SGD", "got Adam"],
+    )
+    foreign = torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1)
+    assert_call_rejected(
+        sgd_artifact.forward,
+        model,
+        foreign,
+        torch.randn(3, 4),
+        match=["param group 0 of the SGD at argument 1 (`optimizer`) holds"],
+    )
+
+
+def test_a_leaf_inside_a_dict_is_named_by_its_path_below_the_name(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    batch["target"] = torch.randn(8, 3)
+    assert_call_rejected(
+        forward,
+        model,
+        batch,
+        0.5,
+        match=["argument 1 (`batch['target']`) has shape (8, 3)", "(8, 4)"],
+    )
+
+
+def test_extra_positional_arguments_are_named_as_args_k() -> None:
+    def step(model: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        return model(args[0] + args[1]).sum()
+
+    model = nn.Linear(4, 2)
+    artifact = _build(step, model, torch.randn(3, 4), torch.randn(3, 4))
+    assert_call_rejected(
+        artifact.forward,
+        model,
+        torch.randn(3, 4),
+        torch.randn(5, 4),
+        match=["argument 2 (`args_1`) has shape (5, 4)"],
+    )
+
+
+def test_a_capture_error_names_the_argument_as_the_artifact_would() -> None:
+    def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(batch["x"]).sum()
+        loss.backward()
+        return loss.detach()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.capture(step, nn.Linear(4, 2), {"x": x}, backend="eager")
+    message = str(caught.value)
+    assert "the input argument 1 (`batch['x']`) (a (3, 4) tensor)" in message
+    assert "requires_grad=False" in message
+    assert x.grad is None
