@@ -211,7 +211,7 @@ def trace(
     fn_name = function_name(fn)
     # Messages name each argument by position and by fn's own name for it.
     arguments = graph_names.argument_names(fn, len(example_inputs))
-    dtensors.check_capture(example_inputs)
+    dtensors.check_capture(example_inputs, arguments)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
