@@ -1001,11 +1001,12 @@ def _finish_optimizers(
     lifted: list[optimizers.LiftedOptimizer],
     stepped: set[int],
     grad_param_indices: list[int],
-    arguments: list[str],
+    names: list[str],
 ) -> list[OptimizerArgument]:
     """The optimizer arguments as the trace used them: a state tensor the step never
     read (its parameter got no gradient, or fn did not step) is no graph input, and
-    a stepping optimizer must have read each group's ``lr`` from its tensor."""
+    a stepping optimizer must have read each group's ``lr`` from its tensor (``names``:
+    the traced function's names for its arguments, for the message)."""
     if not lifted:
         return []
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -1029,7 +1030,7 @@ def _finish_optimizers(
             if argument.steps and updated and not placeholders[position].users:
                 raise PrecompileError(
                     f"the step of the optimizer {argument.name} at "
-                    f"{convention.argument(argument.position, arguments)} did not "
+                    f"{convention.argument(argument.position, names)} did not "
                     f"read param group {number}'s lr from the tensor the artifact "
                     "passes, so the graph would keep "
                     "the example's learning rate. This configuration of the "

@@ -756,5 +756,7 @@ def test_optimizer_configurations_the_artifact_cannot_hold_are_refused_at_captur
 
     monkeypatch.setattr(sys.modules["torch.optim.sgd"], "sgd", fixed_lr_sgd)
     message = refused(torch.optim.SGD(model.parameters(), lr=0.1), *batch(0))
-    assert "did not read param group 0's lr" in message
+    assert (
+        "the optimizer SGD at argument 1 (`optimizer`) did not read param group 0's lr"
+    ) in message
     snapshot.assert_unchanged()
