@@ -161,7 +161,9 @@ def test_a_replaced_config_object_is_checked_on_the_fast_path(
     other = Config()
     other.sizes = (4, 2)
     model.config = other
-    with pytest.raises(pg.PrecompileError, match=r"\.config\.sizes is \(4, 2\)"):
+    with pytest.raises(
+        pg.PrecompileError, match=r"\(`model\.config\.sizes`\) is \(4, 2\)"
+    ):
         loaded(model, x)
 
 
@@ -219,7 +221,10 @@ def test_a_closure_cell_held_by_the_model_is_checked() -> None:
     loaded = pg.load(code, cache)
     torch.testing.assert_close(loaded(model, x), model(x))
     model.act = _leaky(0.5)
-    with pytest.raises(pg.PrecompileError, match=r"cell_contents is 0\.5"):
+    with pytest.raises(
+        pg.PrecompileError,
+        match=r"\(`m\.act\.__closure__\[0\]\.cell_contents`\) is 0\.5",
+    ):
         loaded(model, x)
 
 
@@ -395,7 +400,10 @@ def test_a_transformers_model_records_what_its_forward_reads() -> None:
     loaded = pg.load(code, cache)
     torch.testing.assert_close(loaded(model, ids), logits(model, ids))
     model.transformer.ln_f.eps = 1e-3
-    with pytest.raises(pg.PrecompileError, match=r"\.transformer\.ln_f\.eps is 0\.001"):
+    with pytest.raises(
+        pg.PrecompileError,
+        match=r"argument 0 \(`model\.transformer\.ln_f\.eps`\) is 0\.001",
+    ):
         loaded(model, ids)
 
 
