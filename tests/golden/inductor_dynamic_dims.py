@@ -450,7 +450,7 @@ _LEAF_SIGNATURES: list[tuple[torch.Size, Any, torch.device] | None] = [
 
 def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
     # Each leaf is an argument of its own.
-    return f"argument {_USER_POSITIONS[leaf_index]}"
+    return _argument(_USER_POSITIONS[leaf_index], ARGUMENT_NAMES)
 
 
 def _split_arguments(
@@ -464,7 +464,7 @@ def _split_arguments(
     for position in MODULE_POSITIONS:
         module = args[position]
         if not isinstance(module, torch.nn.Module):
-            _fail(_not_a_module_message(position, module, _SIGNATURE))
+            _fail(_not_a_module_message(position, ARGUMENT_NAMES, module, _SIGNATURE))
         modules.append(module)
     user_inputs = tuple([args[i] for i in _USER_POSITIONS])
     if _TENSOR_ARGUMENTS and all(type(a) is torch.Tensor for a in user_inputs):
@@ -672,7 +672,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support (sha256 8dbbd753897d1be15470660ffe62e5e363805b95cc717953ce2603396cecfc71)
+# 4. Runtime support (sha256 77a47025c9a2f34a8910cb6330f0b899f85211af7b6a1a0f664bd632099c3639)
 # ====================================================================================
 # (its text: tests/golden/runtime/support.py, pinned once for every golden)
 
