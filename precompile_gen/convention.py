@@ -73,10 +73,19 @@ def global_module_hooks() -> dict[str, int]:
     return _driver_code()["global_module_hooks"]()
 
 
-def leaf_names(positions: list[int], arguments: tuple[object, ...]) -> list[str]:
-    """Each leaf of the non-module ``arguments`` (at ``positions`` in the call) named
-    by where it sits, e.g. "argument 1['x'][0]"."""
-    return _driver_code()["leaf_names"](positions, arguments)
+def leaf_names(
+    positions: list[int], names: list[str], arguments: tuple[object, ...]
+) -> list[str]:
+    """Each leaf of the non-module ``arguments`` (at ``positions`` in the call, which
+    the traced function calls ``names``) named by where it sits, e.g.
+    "argument 1 (`batch['x'][0]`)"."""
+    return _driver_code()["leaf_names"](positions, names, arguments)
+
+
+def argument(position: int, names: list[str], path: str = "") -> str:
+    """How messages name the call's argument at ``position`` (or its part at
+    ``path``): "argument 2 (`x`)", by the traced function's ``names``."""
+    return _driver_code()["_argument"](position, names, path)
 
 
 def leaf_paths(tree: object) -> list[str]:

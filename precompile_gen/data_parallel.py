@@ -48,10 +48,11 @@ def _ddp(module: torch.nn.Module) -> Any:
     return module
 
 
-def check_module(module: torch.nn.Module, position: int) -> None:
-    """Refuse, before anything runs, a DDP configuration the capture cannot keep."""
+def check_module(module: torch.nn.Module, argument: str) -> None:
+    """Refuse, before anything runs, a DDP configuration the capture cannot keep in
+    the module at ``argument`` (as messages name it)."""
     ddp = _ddp(module)
-    where = f"the DistributedDataParallel module at argument {position}"
+    where = f"the DistributedDataParallel module at {argument}"
     comm_hook = ddp._get_ddp_logging_data().get("comm_hook") or "register_comm_hook"
     if ddp._comm_hooks or comm_hook != "register_comm_hook":
         _refuse(

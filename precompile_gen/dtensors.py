@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from precompile_gen import data_dependent
+from precompile_gen import convention, data_dependent
 from precompile_gen.capture_result import DTensorLayout, ShardInput, ShardOutput
 from precompile_gen.errors import PrecompileError
 
@@ -90,10 +90,13 @@ def copy(
     return result.requires_grad_(tensor.requires_grad)
 
 
-def check_capture(example_inputs: tuple[object, ...]) -> None:
+def check_capture(example_inputs: tuple[object, ...], arguments: list[str]) -> None:
     """Refuse, before anything runs, what the artifact cannot reproduce: FSDP2
-    modules."""
-    _reject_fully_sharded([a for a in example_inputs if isinstance(a, torch.nn.Module)])
+    modules (named as messages name the arguments, by the traced function's
+    ``arguments``)."""
+    for position, argument in enumerate(example_inputs):
+        if isinstance(argument, torch.nn.Module):
+            _reject_fully_sharded(argument, convention.argument(position, arguments))
 
 
 class LocalGraph(NamedTuple):
@@ -281,25 +284,25 @@ def holds_dtensors(arguments: tuple[object, ...]) -> bool:
     )
 
 
-def _reject_fully_sharded(modules: list[torch.nn.Module]) -> None:
+def _reject_fully_sharded(module: torch.nn.Module, argument: str) -> None:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:
         return
-    for index, module in enumerate(modules):
-        for name, sub in module.named_modules():
-            if isinstance(sub, fsdp.FSDPModule):
-                where = f"module argument {index}" + (f" at {name!r}" if name else "")
-                raise PrecompileError(
-                    f"{where} is sharded with fully_shard (FSDP2), which is not "
-                    "supported yet: its hooks all-gather the parameters before each "
-                    "forward and backward, free them after, and reduce-scatter the "
-                    "gradients, swapping the module's parameters between sharded "
-                    "DTensors and plain tensors outside the traced ops, so a trace "
-                    "would build one call's swaps in and the artifact could not "
-                    "hold the model to them. Capture a model whose parameters are "
-                    "DTensors (distribute_module / distribute_tensor, or tensor "
-                    "parallelism), or compile the FSDP2 model with torch.compile."
-                )
+    for name, sub in module.named_modules():
+        if isinstance(sub, fsdp.FSDPModule):
+            where = f"module {name!r} of " if name else ""
+            where += f"the module at {argument}"
+            raise PrecompileError(
+                f"{where} is sharded with fully_shard (FSDP2), which is not "
+                "supported yet: its hooks all-gather the parameters before each "
+                "forward and backward, free them after, and reduce-scatter the "
+                "gradients, swapping the module's parameters between sharded "
+                "DTensors and plain tensors outside the traced ops, so a trace "
+                "would build one call's swaps in and the artifact could not "
+                "hold the model to them. Capture a model whose parameters are "
+                "DTensors (distribute_module / distribute_tensor, or tensor "
+                "parallelism), or compile the FSDP2 model with torch.compile."
+            )
 
 
 def reject_aliasing(

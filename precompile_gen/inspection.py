@@ -614,7 +614,10 @@ def _user_inputs(metadata: dict[str, object]) -> dict[str, object]:
         i for i in range(cast(int, metadata["NUM_POSITIONAL_ARGS"])) if i not in lifted
     ]
     names, structure = _leaf_names(
-        cast(str | None, metadata["IN_SPEC"]), positions, len(shapes)
+        cast(str | None, metadata["IN_SPEC"]),
+        positions,
+        cast(list[str], metadata["ARGUMENT_NAMES"]),
+        len(shapes),
     )
     leaves = []
     for index, shape in enumerate(shapes):
@@ -650,18 +653,18 @@ def _user_inputs(metadata: dict[str, object]) -> dict[str, object]:
 
 
 def _leaf_names(
-    in_spec: str | None, positions: list[int], count: int
+    in_spec: str | None, positions: list[int], arguments: list[str], count: int
 ) -> tuple[list[str], str]:
     """Each user-input leaf named by where it sits in the call, as the driver's
-    errors name it (``argument 1['x']``), and the inputs' structure; by index when
-    the spec is absent or unreadable here."""
+    errors name it (``argument 1 (`batch['x']`)``), and the inputs' structure; by
+    index when the spec is absent or unreadable here."""
     fallback = [f"leaf {i}" for i in range(count)]
     if in_spec is None:
         return fallback, "not recorded"
     try:
         spec = pytree.treespec_loads(in_spec)
         placeholders = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-        names = convention.leaf_names(positions, tuple(placeholders))
+        names = convention.leaf_names(positions, arguments, tuple(placeholders))
         structure = pytree.treespec_pprint(spec)
     except Exception:  # a container type not registered in this process
         return fallback, "not readable here"

@@ -62,16 +62,18 @@ def lift(
     position: int,
     params: list[torch.Tensor],
     sparse: Container[int] = (),
+    *,
+    where: str,
 ) -> LiftedOptimizer:
-    """The optimizer at ``position``, whose parameters must be among the module
-    arguments' ``params`` (the lifted parameters, in PARAM_NAMES order). Those in
-    ``sparse`` (indices) get sparse gradients, which the driver steps: their state
-    is no graph input."""
+    """The optimizer at ``position`` (``where``, as messages name it), whose
+    parameters must be among the module arguments' ``params`` (the lifted parameters,
+    in PARAM_NAMES order). Those in ``sparse`` (indices) get sparse gradients, which
+    the driver steps: their state is no graph input."""
     name = type(optimizer).__name__
     index_of = {id(param): index for index, param in enumerate(params)}
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         raise PrecompileError(
-            f"the optimizer {name} at argument {position} has step hooks "
+            f"the optimizer {name} at {where} has step hooks "
             "(register_step_pre_hook / register_step_post_hook), Python code that "
             "the captured step would run only once, at capture. Remove the hooks, "
             "or call the optimizer after the precompiled function."
@@ -83,8 +85,8 @@ def lift(
             index = index_of.get(id(param))
             if index is None:
                 raise PrecompileError(
-                    f"param group {number} of the optimizer {name} at argument "
-                    f"{position} holds a tensor of shape {tuple(param.shape)} that is "
+                    f"param group {number} of the optimizer {name} at {where} "
+                    f"holds a tensor of shape {tuple(param.shape)} that is "
                     "not a parameter of a module argument, so the artifact could not "
                     "pass it to the graph. Build the optimizer from the parameters "
                     "of the modules passed to the function."
@@ -103,7 +105,7 @@ def lift(
             if not param.requires_grad or index in sparse:
                 # Never a step in the graph: no gradient, or a sparse one.
                 continue
-            for key, tensor in _first_state(optimizer, group, param, position).items():
+            for key, tensor in _first_state(optimizer, group, param, where).items():
                 state.append(
                     OptimizerStateTensor(
                         index,
@@ -191,7 +193,7 @@ def _first_state(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
     param: torch.Tensor,
-    position: int,
+    where: str,
 ) -> dict[str, torch.Tensor]:
     """Copies of ``param``'s state, or what the optimizer's first step creates for it
     (zeros, which the first update treats as eager's fresh state)."""
@@ -209,7 +211,7 @@ def _first_state(
         isinstance(value, torch.Tensor) for value in existing.values()
     ):
         raise PrecompileError(
-            f"the optimizer {name} at argument {position} holds state "
+            f"the optimizer {name} at {where} holds state "
             f"{sorted(existing)} for a parameter of shape {tuple(param.shape)}, where "
             f"its step keeps the tensors {keys}. Capture with an optimizer "
             f"whose state {name} itself created (or a fresh one)."

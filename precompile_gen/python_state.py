@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import torch
 
-from precompile_gen import data_dependent, data_parallel
+from precompile_gen import convention, data_dependent, data_parallel, graph_names
 from precompile_gen.capture_result import PythonValue
 from precompile_gen.errors import PrecompileError
 
@@ -426,12 +426,22 @@ def _refuse_effects(fn: object, effects: list[tuple[str, str]]) -> None:
     target, line = effects[0]
     raise _Refusal(
         f"{_name(fn)!r} changes Python state that exists outside the call: it writes "
-        f"{target} at {line}. The trace would make that write once, at capture, and "
-        "the artifact never again, so a counter or a log kept this way would "
-        "silently stop changing. Move the write out of the function (before or "
-        "after the call, using what it returns), or keep the state in a tensor "
-        "buffer (register_buffer) updated in place."
+        f"{_in_words(fn, target)} at {line}. The trace would make that write once, "
+        "at capture, and the artifact never again, so a counter or a log kept this "
+        "way would silently stop changing. Move the write out of the function "
+        "(before or after the call, using what it returns), or keep the state in a "
+        "tensor buffer (register_buffer) updated in place."
     )
+
+
+def _in_words(fn: object, target: str) -> str:
+    # An argument's part as messages name it: "argument 0 (`model.calls`)".
+    head, _, rest = target.partition(": ")
+    if not head.startswith("argument "):
+        return target
+    position = int(head.removeprefix("argument "))
+    names = graph_names.argument_names(cast(Any, fn), position + 1)
+    return convention.argument(position, names, rest)
 
 
 # --- Reads --------------------------------------------------------------------------

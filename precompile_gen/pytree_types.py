@@ -12,6 +12,7 @@ refused, except a namedtuple input, which leaves IN_SPEC unrecorded as before.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,16 +22,25 @@ from precompile_gen import convention
 from precompile_gen.errors import PrecompileError
 
 
-def record(tree: object, where: str, *, result: bool) -> list[str]:
-    """Register each namedtuple and dataclass type in ``tree`` (an input, named
-    ``where``, or the function's ``result``) under its import path; return the paths
-    of those registered so, for the artifact to register them when loaded."""
+def record(
+    tree: object, where: Callable[[str], str], *, result: bool = False
+) -> list[str]:
+    """Register each namedtuple and dataclass type in ``tree`` (an input, or the
+    function's ``result``; ``where`` names its part at a pytree path) under its import
+    path; return the paths of those registered so, for the artifact to register them
+    when loaded."""
     paths: list[str] = []
     _visit(tree, where, "", result, paths)
     return paths
 
 
-def _visit(tree: object, where: str, keys: str, result: bool, paths: list[str]) -> None:
+def _visit(
+    tree: object,
+    where: Callable[[str], str],
+    keys: str,
+    result: bool,
+    paths: list[str],
+) -> None:
     kind, cls = _kind(tree), type(tree)
     if kind is not None:
         path = f"{cls.__module__}:{cls.__qualname__}"
@@ -41,10 +51,8 @@ def _visit(tree: object, where: str, keys: str, result: bool, paths: list[str]) 
             if kind == "dataclass"
             else pytree.SUPPORTED_SERIALIZED_TYPES
         )
-        if cls not in registered:
-            named = f"{where} at {keys}" if result and keys else where + keys
-            if _importable(cls, path, kind, named, result):
-                convention.register_pytree_type(cls, path)
+        if cls not in registered and _importable(cls, path, kind, where(keys), result):
+            convention.register_pytree_type(cls, path)
         if _serialized_name(cls) == path and path not in paths:
             paths.append(path)
     if pytree.tree_is_leaf(tree):

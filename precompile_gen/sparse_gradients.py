@@ -28,6 +28,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from precompile_gen import convention
 from precompile_gen.capture_result import DeferredStep, SparseGradients
 from precompile_gen.errors import PrecompileError
 
@@ -63,7 +64,9 @@ class Deferrals:
     """What the trace learned of the steps the driver takes: by optimizer position,
     the parameters (indices into the params) each leaves to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, arguments: list[str]) -> None:
+        # The traced function's names for its arguments, which messages give.
+        self.arguments = arguments
         self.steps: dict[int, tuple[str, list[int]]] = {}
         # Per deferred parameter, the graph's nodes when its step was deferred: a
         # node made later that reads the parameter would read it before the step.
@@ -73,7 +76,7 @@ class Deferrals:
         known = self.steps.setdefault(position, (name, []))[1]
         if any(index in known for index in indices):
             raise PrecompileError(
-                f"the function calls step() on the {name} at argument {position} "
+                f"the function calls step() on the {name} at {self.where(position)} "
                 "more than once, and the artifact takes the step of the parameters "
                 "with sparse gradients once, after its graph. Step once per call "
                 "(call the artifact once per step)."
@@ -84,6 +87,10 @@ class Deferrals:
             names = {node.name for node in mode.tracer.graph.nodes}
             for index in indices:
                 self.traced_before.setdefault(index, names)
+
+    def where(self, position: int) -> str:
+        """How messages name the optimizer argument at ``position``."""
+        return convention.argument(position, self.arguments)
 
     def reject_reads_after_steps(
         self, gm: torch.fx.GraphModule, names: dict[int, str], param_names: list[str]
@@ -147,7 +154,8 @@ def deferring(
             if not sparse:
                 continue
             indices = [copy_index[id(p)] for p in sparse]
-            _check_stepper(optimizer, group, position, indices, names, param_names)
+            where = deferrals.where(position)
+            _check_stepper(optimizer, group, where, indices, names, param_names)
             deferrals.add(position, type(optimizer).__name__, indices)
             saved.append((group, group["params"]))
             group["params"] = [p for p in group["params"] if not _has_sparse_grad(p)]
@@ -163,7 +171,9 @@ def deferring(
         for position, optimizer in sparse_steppers:
             # Listed even if fn does not step it: it is no input of the graph.
             deferrals.add(position, "SparseAdam", [])
-            indices = _stepper_params(optimizer, position, param_index, names)
+            indices = _stepper_params(
+                optimizer, deferrals.where(position), param_index, names
+            )
             stack.enter_context(
                 _recording_step(optimizer, position, indices, deferrals)
             )
@@ -190,7 +200,7 @@ def _removing(handle: Any) -> Generator[None]:
 def _check_stepper(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
-    position: int,
+    where: str,
     indices: list[int],
     names: dict[int, str],
     param_names: list[str],
@@ -200,7 +210,7 @@ def _check_stepper(
     if isinstance(optimizer, _SPARSE_STEPPERS):
         if group.get("weight_decay", 0) != 0:
             raise PrecompileError(
-                f"the optimizer {name} at argument {position} steps the parameter "
+                f"the optimizer {name} at {where} steps the parameter "
                 f"{param_names[indices[0]]!r}, whose gradient is sparse (module "
                 f"{module!r} has sparse=True), with weight_decay="
                 f"{group['weight_decay']}, which eager's step cannot add to a "
@@ -209,7 +219,7 @@ def _check_stepper(
             )
         return
     raise PrecompileError(
-        f"the optimizer {name} at argument {position} steps the parameter "
+        f"the optimizer {name} at {where} steps the parameter "
         f"{param_names[indices[0]]!r}, whose gradient is sparse (module {module!r} "
         f"has sparse=True), and {name} does not take sparse gradients (eager's step "
         "raises). Step that module's parameters with torch.optim.SparseAdam or SGD, "
@@ -219,7 +229,7 @@ def _check_stepper(
 
 def _stepper_params(
     optimizer: torch.optim.Optimizer,
-    position: int,
+    where: str,
     param_index: dict[int, int],
     names: dict[int, str],
 ) -> list[int]:
@@ -231,7 +241,7 @@ def _stepper_params(
             index = param_index.get(id(param))
             if index is None or index not in names:
                 raise PrecompileError(
-                    f"the SparseAdam at argument {position} holds a tensor of shape "
+                    f"the SparseAdam at {where} holds a tensor of shape "
                     f"{tuple(param.shape)} that is not the weight of an nn.Embedding "
                     "or nn.EmbeddingBag with sparse=True of a module argument, and "
                     "SparseAdam steps only sparse gradients. Build it from those "
@@ -258,9 +268,9 @@ def _recording_step(
     def step(closure: object = None) -> None:
         if closure is not None:
             raise PrecompileError(
-                f"the function calls step(closure) on the SparseAdam at argument "
-                f"{position}; the artifact cannot re-run the closure. Call step() "
-                "without one."
+                "the function calls step(closure) on the SparseAdam at "
+                f"{deferrals.where(position)}; the artifact cannot re-run the "
+                "closure. Call step() without one."
             )
         deferrals.add(position, "SparseAdam", indices)
 

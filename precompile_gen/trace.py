@@ -14,6 +14,7 @@ switches between train and eval mode are put back as they were.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -208,14 +209,16 @@ def trace(
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
     fn_name = function_name(fn)
-    dtensors.check_capture(example_inputs)
+    # Messages name each argument by position and by fn's own name for it.
+    arguments = graph_names.argument_names(fn, len(example_inputs))
+    dtensors.check_capture(example_inputs, arguments)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
     modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
     for position, module in zip(module_positions, modules, strict=True):
         if data_parallel.is_data_parallel(module):
-            data_parallel.check_module(module, position)
+            data_parallel.check_module(module, convention.argument(position, arguments))
     # First, on copies: refuses Python effects before the trace would make them.
     with data_parallel.in_place_as_functional():
         python_values = python_state.observe(
@@ -253,10 +256,11 @@ def trace(
             position,
             state.tensors[: state.num_params],
             sparse_names,
+            where=convention.argument(position, arguments),
         )
         for position in optimizer_positions
     ]
-    deferrals = sparse_gradients.Deferrals()
+    deferrals = sparse_gradients.Deferrals(arguments)
     user_inputs = tuple(
         a for i, a in enumerate(example_inputs) if i not in lifted_positions
     )
@@ -267,10 +271,12 @@ def trace(
     input_types = [
         path
         for position, argument in zip(user_positions, user_inputs, strict=True)
-        for path in pytree_types.record(argument, f"argument {position}", result=False)
+        for path in pytree_types.record(
+            argument, functools.partial(convention.argument, position, arguments)
+        )
     ]
     user_leaves, in_spec = pytree.tree_flatten(user_inputs)
-    leaf_names = _leaf_names(example_inputs, lifted_positions, user_inputs)
+    leaf_names = convention.leaf_names(user_positions, arguments, user_inputs)
     _reject_nested_modules(user_leaves, leaf_names)
     marks = dynamic_dims.read_dim_marks(user_leaves, leaf_names, backend)
     symbolic = (
@@ -365,7 +371,7 @@ def trace(
         grads = [p.grad for p in flat[:num_params]]
         _reject_stray_grads(state, flat[:state_start], leaf_names)
         harvest["pytree_types"] = pytree_types.record(
-            result, f"the result of {fn_name!r}", result=True
+            result, functools.partial(_result_part, fn_name), result=True
         )
         result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
         result_leaves, harvest["scalar_outputs"] = data_dependent.scalar_outputs(
@@ -448,6 +454,7 @@ def trace(
             for index in harvest["grad_param_indices"]
             if not any(index in step.params for step in deferred_steps)
         ],
+        arguments,
     )
     deferrals.reject_reads_after_steps(gm, sparse_names, state.param_names)
     sparse = sparse_gradients.split(
@@ -457,7 +464,7 @@ def trace(
         sparse_names,
         state.param_names,
     )
-    constants = _lift_constants(gm, fn, modules, module_positions)
+    constants = _lift_constants(gm, fn, modules, module_positions, arguments)
     if symbolic is None:
         flat_args += [tensor for _, tensor in constants]
     else:
@@ -474,7 +481,6 @@ def trace(
     if backend == "inductor" and dtensor_layouts:
         local = dtensors.to_local_graph(gm, flat_args, decompositions)
         gm, flat_args = local.gm, local.flat_args
-    arguments = graph_names.argument_names(fn, len(example_inputs))
     return TracedGraph(
         argument_names=arguments,
         input_names=graph_names.graph_input_names(
@@ -699,17 +705,9 @@ def _interleave(
     ]
 
 
-def _leaf_names(
-    example_inputs: tuple[object, ...],
-    lifted_positions: list[int],
-    user_inputs: tuple[object, ...],
-) -> list[str]:
-    """Each user-input leaf named by where it sits in the call, as the artifact's
-    driver names it (e.g. "argument 1['x']")."""
-    user_positions = [
-        i for i in range(len(example_inputs)) if i not in lifted_positions
-    ]
-    return convention.leaf_names(user_positions, user_inputs)
+def _result_part(fn_name: str, path: str) -> str:
+    """How messages name the part of fn's result at ``path``."""
+    return f"the result of {fn_name!r}" + (f" at {path}" if path else "")
 
 
 def _reject_symbolic_aliasing(
@@ -851,12 +849,13 @@ def _lift_constants(
     fn: Callable[..., object],
     modules: list[torch.nn.Module],
     module_positions: list[int],
+    arguments: list[str],
 ) -> list[tuple[str, torch.Tensor]]:
     """Turn each tensor literal fn created (``torch.tensor(-100.0)``) into a graph
     input after the user-input leaves, which the artifact feeds from a literal; reject
     every other tensor the graph reads that is neither an input nor computed: it
     existed before fn ran, may change between calls, and would be baked in."""
-    origins = _tensor_origins(fn, modules, module_positions)
+    origins = _tensor_origins(fn, modules, module_positions, arguments)
     literals: list[tuple[torch.fx.Node, torch.Tensor]] = []
     rejected = []
     for node in gm.graph.find_nodes(op="get_attr"):
@@ -941,6 +940,7 @@ def _tensor_origins(
     fn: Callable[..., object],
     modules: list[torch.nn.Module],
     module_positions: list[int],
+    arguments: list[str],
 ) -> dict[int, str]:
     """Where a closed-over tensor could come from, by identity."""
     origins: dict[int, str] = {}
@@ -960,8 +960,9 @@ def _tensor_origins(
                 if isinstance(value, torch.Tensor) and name not in registered:
                     qualified = f"{path}.{name}" if path else name
                     origins[id(value)] = (
-                        f"the plain attribute {qualified!r} of the module at argument "
-                        f"{position} (not a registered parameter or buffer)"
+                        f"the plain attribute {qualified!r} of the module at "
+                        f"{convention.argument(position, arguments)} (not a "
+                        "registered parameter or buffer)"
                     )
     return origins
 
@@ -1000,10 +1001,12 @@ def _finish_optimizers(
     lifted: list[optimizers.LiftedOptimizer],
     stepped: set[int],
     grad_param_indices: list[int],
+    names: list[str],
 ) -> list[OptimizerArgument]:
     """The optimizer arguments as the trace used them: a state tensor the step never
     read (its parameter got no gradient, or fn did not step) is no graph input, and
-    a stepping optimizer must have read each group's ``lr`` from its tensor."""
+    a stepping optimizer must have read each group's ``lr`` from its tensor (``names``:
+    the traced function's names for its arguments, for the message)."""
     if not lifted:
         return []
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -1026,9 +1029,10 @@ def _finish_optimizers(
             updated = any(index in grad_param_indices for index in group.params)
             if argument.steps and updated and not placeholders[position].users:
                 raise PrecompileError(
-                    f"the step of the optimizer {argument.name} at argument "
-                    f"{argument.position} did not read param group {number}'s lr "
-                    "from the tensor the artifact passes, so the graph would keep "
+                    f"the step of the optimizer {argument.name} at "
+                    f"{convention.argument(argument.position, names)} did not "
+                    f"read param group {number}'s lr from the tensor the artifact "
+                    "passes, so the graph would keep "
                     "the example's learning rate. This configuration of the "
                     "optimizer is not supported inside the artifact; call it after "
                     "the precompiled function."

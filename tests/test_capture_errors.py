@@ -175,7 +175,12 @@ def test_plain_module_tensor_attribute(x: torch.Tensor) -> None:
         train_step,
         model,
         x,
-        match=["plain attribute", "'lin2.scale'", "argument 0", "register_buffer"],
+        match=[
+            "plain attribute",
+            "'lin2.scale'",
+            "argument 0 (`model`)",
+            "register_buffer",
+        ],
     )
 
 
@@ -191,14 +196,14 @@ def test_module_inside_a_container(x: torch.Tensor, container: str) -> None:
         return train_step(inner, x)
 
     models = [model] if container == "list" else {"net": model}
-    where = "argument 0[0]" if container == "list" else "argument 0['net']"
+    where = "`models[0]`" if container == "list" else "`models['net']`"
     snapshot = StateSnapshot(model)
     assert_capture_rejected(
         step_on_nested,
         models,
         x,
         match=[
-            f"{where} is an nn.Module (Net) inside a container",
+            f"argument 0 ({where}) is an nn.Module (Net) inside a container",
             "Pass it as an argument of its own",
         ],
     )
@@ -222,7 +227,7 @@ def test_user_input_that_receives_a_grad(model: nn.Module) -> None:
         train_step,
         model,
         x,
-        match=["argument 1", "(8, 4)", "gradient", "requires_grad=False"],
+        match=["argument 1 (`x`)", "(8, 4)", "gradient", "requires_grad=False"],
     )
     assert x.grad is None
 
@@ -321,7 +326,10 @@ def test_mode_switched_and_back_inside_fn_is_captured(
 def test_mark_dynamic_is_rejected(model: nn.Module, x: torch.Tensor) -> None:
     mark_dynamic(x, 0)
     assert_capture_rejected(
-        train_step, model, x, match=["argument 1", "mark_dynamic", "mark_unbacked"]
+        train_step,
+        model,
+        x,
+        match=["argument 1 (`x`)", "mark_dynamic", "mark_unbacked"],
     )
 
 
@@ -340,7 +348,7 @@ def test_specialize_on_is_rejected(model: nn.Module, x: torch.Tensor) -> None:
         train_step,
         model,
         x,
-        match=["argument 1", "specialize_on", "Remove specialize_on"],
+        match=["argument 1 (`x`)", "specialize_on", "Remove specialize_on"],
     )
 
 
@@ -354,7 +362,7 @@ def test_mark_unbacked_on_eager_backend(
         model,
         x,
         match=[
-            "argument 1",
+            "argument 1 (`x`)",
             "mark_unbacked",
             "eager backend",
             "static shapes",

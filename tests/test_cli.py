@@ -266,7 +266,9 @@ def test_inspect_shows_signature_state_inputs_output_graph_and_sections(
     )
     assert re.search(r"m1\.weight\s+parameter\s+\(3, 6\)\s+\(6, 1\)", out)
     assert re.search(
-        r"argument 1\['x'\]\s+\(5, 4\)\s+-\s+\(4, 1\)\s+torch.float32\s+cpu", out
+        r"argument 1 \(`batch\['x'\]`\)\s+\(5, 4\)\s+-\s+\(4, 1\)"
+        r"\s+torch.float32\s+cpu",
+        out,
     )
     assert "kernels            none (the eager backend runs ATen operators)" in out
     assert "aten.native_batch_norm x1" in out
@@ -279,7 +281,7 @@ def test_inspect_shows_signature_state_inputs_output_graph_and_sections(
     assert report["fn_name"] == "two_towers"
     assert report["module_positions"] == [0, 2]
     assert [m["buffers"] for m in report["modules"]] == [3, 0]
-    assert report["user_inputs"]["leaves"][0]["leaf"] == "argument 1['x']"
+    assert report["user_inputs"]["leaves"][0]["leaf"] == "argument 1 (`batch['x']`)"
     assert report["output"]["leaves"] == 3
     assert report["graph"]["kernels"] == []
     assert sum(report["graph"]["op_calls"].values()) > 0
@@ -316,9 +318,11 @@ def test_inspect_reports_harvested_grads_and_inductor_kernels() -> None:
 
 def test_inspect_shows_aliased_inputs_and_pinned_kernel_binaries() -> None:
     report = inspect_artifact(_golden("eager_literals_aliasing"))
-    assert report["aliased_inputs"] == [["argument 1", "argument 2"]]
+    assert report["aliased_inputs"] == [["argument 1 (`x`)", "argument 2 (`y`)"]]
     text = format_report(report)
-    assert "aliased inputs: argument 1, argument 2 share one storage" in text
+    assert (
+        "aliased inputs: argument 1 (`x`), argument 2 (`y`) share one storage" in text
+    )
     assert inspect_artifact(_golden("eager_inference"))["aliased_inputs"] == []
     # The inductor golden pins no binary; an artifact that pins one lists it.
     text = _golden("inductor_inference")

@@ -281,7 +281,7 @@ _CAPTURE_REFUSALS = {
 _CALL_REFUSALS = {
     "no_sync": ["inside a no_sync() context", "outside no_sync()"],
     "plain module": [
-        "argument 0 was a DistributedDataParallel",
+        "argument 0 (`model`) was a DistributedDataParallel",
         "Pass the DDP-wrapped",
     ],
     "other group": ["over process group '1'", "group '0'", "Wrap the model with"],

@@ -433,7 +433,7 @@ def test_inference_matches_eager_on_every_rank(
             "DTensor input: 'up.weight', placements (Shard(dim=0)) on a mesh of "
             "shape (2,)" in text
         ), text
-        assert "DTensor input: argument 1, placements (Replicate())" in text, text
+        assert "DTensor input: argument 1 (`x`), placements (Replicate())" in text, text
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -498,13 +498,16 @@ def test_the_compiled_graph_takes_local_shards_of_the_captured_sharding(
         (
             "input sharded",
             [
-                "argument 1 is a DTensor with placements (Shard(dim=0))",
+                "argument 1 (`x`) is a DTensor with placements (Shard(dim=0))",
                 "captured with placements (Replicate())",
             ],
         ),
         (
             "plain input",
-            ["argument 1 is a plain tensor", "Pass a DTensor sharded as at capture"],
+            [
+                "argument 1 (`x`) is a plain tensor",
+                "Pass a DTensor sharded as at capture",
+            ],
         ),
         (
             "parameter redistributed",

@@ -145,7 +145,7 @@ def test_size_outside_bounds_is_rejected_before_running(
     snapshot = StateSnapshot(model, x, target)
     assert_rejected(
         lambda: training.forward(model, x, target),
-        ["argument 1", f"size {batch} in dim 0", "min=2, max=64", "wider bounds"],
+        ["argument 1 (`x`)", f"size {batch} in dim 0", "min=2, max=64", "wider bounds"],
     )
     snapshot.assert_unchanged()
 
@@ -153,15 +153,27 @@ def test_size_outside_bounds_is_rejected_before_running(
 def test_upper_bound_alone_is_shown_as_declared(inference: Compiled) -> None:
     assert_rejected(
         lambda: inference.forward(make_mlp(3), randn(65, 4, seed=0)),
-        ["argument 1 has size 65 in dim 0", "(min=1, max=64)"],
+        ["argument 1 (`x`) has size 65 in dim 0", "(min=1, max=64)"],
     )
 
 
 def test_static_dim_is_still_checked(inference: Compiled) -> None:
     assert_rejected(
         lambda: inference.forward(make_mlp(3), randn(5, 3, seed=0)),
-        ["argument 1 has shape (5, 3)", "shape (*, 4)"],
+        ["argument 1 (`x`) has shape (5, 3)", "shape (*, 4)"],
     )
+
+
+def test_a_wrong_input_is_named_by_position_and_name(
+    training: CompiledTraining,
+) -> None:
+    model = with_grads(make_bn_mlp(3))
+    snapshot = StateSnapshot(model)
+    assert_rejected(
+        lambda: training.forward(model, randn(6, 4, seed=0), randn(6, 5, seed=1)),
+        ["argument 2 (`target`) has shape (6, 5)", "shape (*, 3)"],
+    )
+    snapshot.assert_unchanged()
 
 
 def test_shared_shape_id_sizes_must_agree_at_run_time(
@@ -173,7 +185,8 @@ def test_shared_shape_id_sizes_must_agree_at_run_time(
         lambda: training.forward(model, randn(3, 4, seed=0), randn(5, 3, seed=1)),
         [
             "shape_id",
-            "argument 2 dim 0 has size 5 but argument 1 dim 0 has size 3",
+            "argument 2 (`target`) dim 0 has size 5 but argument 1 (`x`) dim 0 has "
+            "size 3",
             "equal sizes",
         ],
     )
@@ -260,7 +273,7 @@ def test_guard_on_marked_dim_is_rejected_at_capture() -> None:
     assert_rejected(
         lambda: pg.capture(branch_on_batch, make_mlp(0), x),
         [
-            "'branch_on_batch' needs to know the size of argument 1 dim 0",
+            "'branch_on_batch' needs to know the size of argument 1 (`x`) dim 0",
             "u0 > 2",
             "test_dynamic.py",
             "leave the dim static",
@@ -273,7 +286,7 @@ def test_view_that_pins_marked_dim_is_rejected_at_capture() -> None:
     mark_unbacked(x, 0)
     assert_rejected(
         lambda: pg.capture(lambda m, x: m(x).view(2, 6), make_mlp(0), x),
-        ["fixes argument 1 dim 0 to the size 4", "x.view(x.shape[0], -1)"],
+        ["fixes argument 1 (`x`) dim 0 to the size 4", "x.view(x.shape[0], -1)"],
     )
 
 
@@ -285,7 +298,7 @@ def test_equal_dims_without_shared_shape_id_are_rejected_at_capture() -> None:
         lambda: pg.capture(lambda m, x, y: m(x + y), make_mlp(0), x, y),
         [
             "Eq(u0, u1)",
-            "u0 is argument 1 dim 0, u1 is argument 2 dim 0",
+            "u0 is argument 1 (`x`) dim 0, u1 is argument 2 (`y`) dim 0",
             "same mark_unbacked shape_id",
         ],
     )
@@ -308,7 +321,12 @@ def test_eager_backend_rejects_mark_unbacked() -> None:
     mark_unbacked(x, 0)
     assert_rejected(
         lambda: pg.precompile(predict, make_mlp(0), x, backend="eager"),
-        ["argument 1", "mark_unbacked", "backend='inductor'", "leave the dim static"],
+        [
+            "argument 1 (`x`)",
+            "mark_unbacked",
+            "backend='inductor'",
+            "leave the dim static",
+        ],
     )
 
 
@@ -321,11 +339,11 @@ class Tagged(torch.Tensor):
     [
         (
             lambda: randn(4, 4, seed=0).as_subclass(Tagged),
-            ["argument 1 is a tensor subclass (Tagged)", "plain torch.Tensor"],
+            ["argument 1 (`x`) is a tensor subclass (Tagged)", "plain torch.Tensor"],
         ),
         (
             lambda: randn(4, 4, seed=0).t(),
-            ["argument 1", "strides (1, 4)", "channels_last", ".contiguous()"],
+            ["argument 1 (`x`)", "strides (1, 4)", "channels_last", ".contiguous()"],
         ),
     ],
     ids=["subclass", "transposed"],
@@ -343,7 +361,7 @@ def test_example_outside_its_own_bounds_is_rejected() -> None:
     mark_unbacked(x, 0, min=5)
     assert_rejected(
         lambda: trace(predict, (make_mlp(0), x), backend="inductor"),
-        ["argument 1 has size 4 in dim 0", "(min=5)", "widen min/max"],
+        ["argument 1 (`x`) has size 4 in dim 0", "(min=5)", "widen min/max"],
     )
 
 
@@ -353,7 +371,11 @@ def test_shared_shape_id_examples_must_agree() -> None:
     mark_unbacked(y, 0, shape_id="batch")
     assert_rejected(
         lambda: trace(lambda m, x, y: m(x), (make_mlp(0), x, y), backend="inductor"),
-        ["shape_id='batch'", "argument 1 dim 0 has 4", "argument 2 dim 0 has 5"],
+        [
+            "shape_id='batch'",
+            "argument 1 (`x`) dim 0 has 4",
+            "argument 2 (`y`) dim 0 has 5",
+        ],
     )
 
 
@@ -362,5 +384,5 @@ def test_mark_outside_the_tensor_is_rejected() -> None:
     mark_unbacked(x, 2)
     assert_rejected(
         lambda: trace(predict, (make_mlp(0), x), backend="inductor"),
-        ["argument 1 has 2 dims", "marked dim 2"],
+        ["argument 1 (`x`) has 2 dims", "marked dim 2"],
     )

@@ -212,7 +212,7 @@ def test_layout_error_on_a_late_input_changes_nothing() -> None:
     with pytest.raises(pg.PrecompileError) as caught:
         forward(model, x, mean, var)
     message = str(caught.value)
-    assert "argument 3 has strides (2,)" in message
+    assert "argument 3 (`var`) has strides (2,)" in message
     assert "writes into it in place" in message
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)

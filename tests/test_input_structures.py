@@ -151,11 +151,14 @@ def test_another_key_order_is_said_once(dict_artifact: Compiled) -> None:
     [
         (
             lambda extras: extras.pop("scale"),
-            ["argument 1['extras'] lacks the key(s) ['scale']"],
+            ["argument 1 (`batch['extras']`) lacks the key(s) ['scale']"],
         ),
         (
             lambda extras: extras.update(weight=torch.ones(3)),
-            ["argument 1['extras'] has the key(s) ['weight'], which the example"],
+            [
+                "argument 1 (`batch['extras']`) has the key(s) ['weight'], which the "
+                "example"
+            ],
         ),
         (
             lambda extras: extras.update(weight=extras.pop("scale")),
@@ -272,7 +275,9 @@ def test_copy_is_said_once_per_artifact(layout_artifact: Compiled) -> None:
             warnings.simplefilter("error")
             forward(make_net(), sliced(x), image, total)
         return
-    with pytest.warns(UserWarning, match=r"argument 1 has strides \(9, 1\)") as said:
+    with pytest.warns(
+        UserWarning, match=r"argument 1 \(`x`\) has strides \(9, 1\)"
+    ) as said:
         forward(make_net(), sliced(x), image, total)
     message = str(said[0].message)
     assert "(80 bytes a call)" in message and ".contiguous()" in message
@@ -296,7 +301,7 @@ def test_input_the_graph_writes_is_not_copied(layout_artifact: Compiled) -> None
         image,
         transposed,
         match=[
-            "argument 3 has strides (1, 2), but the example had (3, 1)",
+            "argument 3 (`total`) has strides (1, 2), but the example had (3, 1)",
             "the graph writes into it in place",
             ".contiguous()",
             "backend='eager'",
@@ -339,7 +344,7 @@ def test_input_of_an_expanded_example_is_not_copied(
         make_net(),
         x,
         match=[
-            "argument 1 has strides (4, 1), but the example had (1, 0)",
+            "argument 1 (`x`) has strides (4, 1), but the example had (1, 0)",
             "repeats elements (an expanded tensor)",
             "backend='eager'",
         ],
@@ -425,7 +430,7 @@ def test_dataclass_input_with_other_fields_is_refused(typed_artifact: Compiled) 
         typed_artifact.forward,
         make_net(),
         batch,
-        match=["argument 1.extras lacks the key(s) ['shift']"],
+        match=["argument 1 (`batch.extras`) lacks the key(s) ['shift']"],
     )
 
 
@@ -484,7 +489,7 @@ def _with_local_dataclass_input() -> tuple[Callable[..., object], object]:
         ),
         (
             _with_local_dataclass_input,
-            "argument 1 is a dataclass of type "
+            "argument 1 (`inputs`) is a dataclass of type "
             "'_with_local_dataclass_input.<locals>.Local'",
         ),
     ],

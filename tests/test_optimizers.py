@@ -320,7 +320,9 @@ def test_two_modules_each_with_its_optimizer() -> None:
     # Each optimizer at the other's position is the wrong class.
     with pytest.raises(pg.PrecompileError) as info:
         forward(encoder, mine[1], head, mine[0], *batch(0))
-    assert "argument 1 must be a torch.optim.AdamW" in str(info.value)
+    assert "argument 1 (`encoder_optimizer`) must be a torch.optim.AdamW" in str(
+        info.value
+    )
 
 
 def test_inductor_with_tied_weights_and_two_groups() -> None:
@@ -390,7 +392,7 @@ def test_inspect_shows_the_optimizer_and_the_artifact_its_contract() -> None:
     ]
     text = format_report(report)
     assert "12 tensors: step, exp_avg, exp_avg_sq" in text
-    assert "argument 2" in text and "argument 3" in text
+    assert "argument 2 (`x`)" in text and "argument 3 (`y`)" in text
 
 
 # --- Misuse: each rejected with a message naming the problem, changing nothing ----
@@ -470,7 +472,7 @@ def test_another_optimizer_class_is_rejected(adam_step: Callable[..., object]) -
     message = rejected(
         adam_step, model, torch.optim.SGD(model.parameters(), lr=0.1), *batch(1)
     )
-    assert "argument 1 must be a torch.optim.Adam" in message
+    assert "argument 1 (`optimizer`) must be a torch.optim.Adam" in message
     assert "got SGD" in message
 
 
@@ -479,7 +481,7 @@ def test_an_optimizer_of_another_model_is_rejected(
 ) -> None:
     model = mlp()
     message = rejected(adam_step, model, adam(mlp()), *batch(1))
-    assert "param group 0 of the Adam at argument 1 holds" in message
+    assert "param group 0 of the Adam at argument 1 (`optimizer`) holds" in message
     assert "not in the model" in message
     assert "Build the optimizer from this model's parameters" in message
 
@@ -534,8 +536,8 @@ def test_state_in_another_memory_layout_is_rejected_on_inductor() -> None:
     optimizer.state[first]["exp_avg"] = exp_avg.t().contiguous().t()
     message = rejected(forward, model, optimizer, *batch(1))
     assert (
-        "the Adam at argument 1's state 'exp_avg' of the model's '0.weight' has "
-        "strides (1, 8), but the example had (4, 1)"
+        "the state 'exp_avg' of the model's '0.weight' in the Adam at argument 1 "
+        "(`optimizer`) has strides (1, 8), but the example had (4, 1)"
     ) in message
     assert "Pass it in the example's layout" in message
     assert list(optimizer.state) == [first]
@@ -754,5 +756,7 @@ def test_optimizer_configurations_the_artifact_cannot_hold_are_refused_at_captur
 
     monkeypatch.setattr(sys.modules["torch.optim.sgd"], "sgd", fixed_lr_sgd)
     message = refused(torch.optim.SGD(model.parameters(), lr=0.1), *batch(0))
-    assert "did not read param group 0's lr" in message
+    assert (
+        "the optimizer SGD at argument 1 (`optimizer`) did not read param group 0's lr"
+    ) in message
     snapshot.assert_unchanged()

@@ -95,19 +95,19 @@ def test_the_values_read_are_recorded_with_their_paths() -> None:
 
 
 @pytest.mark.parametrize(
-    ("path", "attribute", "changed"),
+    ("where", "attribute", "changed"),
     [
-        ("argument 0: .temperature", "temperature", 2.0),
-        ("argument 0: .use_skip", "use_skip", False),
-        ("argument 0: .drop.p", "drop.p", 0.5),
-        ("argument 0: .config.output_scaled", "config.output_scaled", False),
-        ("argument 0: .config.dtype", "config.dtype", torch.float64),
-        ("argument 0: .mode", "mode", Mode.MEAN),
-        ("argument 0: .temperature", "temperature", 1),  # an int for the float
+        ("argument 0 (`model.temperature`)", "temperature", 2.0),
+        ("argument 0 (`model.use_skip`)", "use_skip", False),
+        ("argument 0 (`model.drop.p`)", "drop.p", 0.5),
+        ("argument 0 (`model.config.output_scaled`)", "config.output_scaled", False),
+        ("argument 0 (`model.config.dtype`)", "config.dtype", torch.float64),
+        ("argument 0 (`model.mode`)", "mode", Mode.MEAN),
+        ("argument 0 (`model.temperature`)", "temperature", 1),  # an int for the float
     ],
 )
 def test_a_changed_value_is_rejected_and_matches_eager_once_set_back(
-    loaded: Callable[..., object], path: str, attribute: str, changed: object
+    loaded: Callable[..., object], where: str, attribute: str, changed: object
 ) -> None:
     model, x = Scaled(), example()
     torch.testing.assert_close(loaded(model, x), scaled(model, x))
@@ -122,7 +122,7 @@ def test_a_changed_value_is_rejected_and_matches_eager_once_set_back(
     with pytest.raises(pg.PrecompileError) as error:
         loaded(model, x)
     message = str(error.value)
-    assert f"at {path} is {changed!r}" in message
+    assert f"at {where} is {changed!r}" in message
     assert f"it was {traced!r} when the function was traced" in message
     assert "Set it back" in message and "capture again" in message
     snapshot.assert_unchanged()
@@ -161,7 +161,9 @@ def test_a_replaced_config_object_is_checked_on_the_fast_path(
     other = Config()
     other.sizes = (4, 2)
     model.config = other
-    with pytest.raises(pg.PrecompileError, match=r"\.config\.sizes is \(4, 2\)"):
+    with pytest.raises(
+        pg.PrecompileError, match=r"\(`model\.config\.sizes`\) is \(4, 2\)"
+    ):
         loaded(model, x)
 
 
@@ -219,7 +221,10 @@ def test_a_closure_cell_held_by_the_model_is_checked() -> None:
     loaded = pg.load(code, cache)
     torch.testing.assert_close(loaded(model, x), model(x))
     model.act = _leaky(0.5)
-    with pytest.raises(pg.PrecompileError, match=r"cell_contents is 0\.5"):
+    with pytest.raises(
+        pg.PrecompileError,
+        match=r"\(`m\.act\.__closure__\[0\]\.cell_contents`\) is 0\.5",
+    ):
         loaded(model, x)
 
 
@@ -290,11 +295,11 @@ def _line_of(text: str) -> str:
 @pytest.mark.parametrize(
     ("fn", "model", "target", "line"),
     [
-        (scaled, Counting(), "argument 0: .calls", "        self.calls += 1"),
+        (scaled, Counting(), "argument 0 (`model.calls`)", "        self.calls += 1"),
         (
             scaled,
             Logging(),
-            "argument 0: .seen",
+            "argument 0 (`model.seen`)",
             "        self.seen.append(tuple(x.shape))",
         ),
         (count_calls, nn.Linear(4, 4), "global COUNT", "    COUNT += 1"),
@@ -395,7 +400,10 @@ def test_a_transformers_model_records_what_its_forward_reads() -> None:
     loaded = pg.load(code, cache)
     torch.testing.assert_close(loaded(model, ids), logits(model, ids))
     model.transformer.ln_f.eps = 1e-3
-    with pytest.raises(pg.PrecompileError, match=r"\.transformer\.ln_f\.eps is 0\.001"):
+    with pytest.raises(
+        pg.PrecompileError,
+        match=r"argument 0 \(`model\.transformer\.ln_f\.eps`\) is 0\.001",
+    ):
         loaded(model, ids)
 
 
@@ -430,7 +438,9 @@ def test_a_value_gone_from_the_model_is_rejected(loaded: Callable[..., object]) 
     del model.temperature
     with pytest.raises(pg.PrecompileError) as error:
         loaded(model, x)
-    assert "at argument 0: .temperature is missing in this call" in str(error.value)
+    assert "at argument 0 (`model.temperature`) is missing in this call" in str(
+        error.value
+    )
     assert "Set it back to 1.0" in str(error.value)
 
 

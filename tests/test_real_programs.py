@@ -137,7 +137,7 @@ def test_aliasing_at_capture_but_not_at_call_is_rejected(
         make_scale(),
         *separate_tensors(),
         match=[
-            "argument 1 and argument 2 were one tensor",
+            "argument 1 (`a`) and argument 2 (`b`) were one tensor",
             "do not share one storage in this call",
             "capture again with separate tensors",
         ],
@@ -153,7 +153,7 @@ def test_aliasing_at_call_but_not_at_capture_is_rejected(
             make_scale(),
             *args,
             match=[
-                "argument 1 and argument 2 share one storage in this call",
+                "argument 1 (`a`) and argument 2 (`b`) share one storage in this call",
                 "did not at capture",
                 ".clone() one of them",
             ],
@@ -170,7 +170,7 @@ def test_views_at_other_offsets_are_rejected(
         base[2:6],
         base[3:7],
         match=[
-            "argument 1 shares a storage with argument 2 as at capture",
+            "argument 1 (`a`) shares a storage with argument 2 (`b`) as at capture",
             "at offset 2",
             "traced with offset 0",
             "Pass views at the example's offsets",
@@ -201,7 +201,7 @@ def test_parameter_also_passed_as_input(backend: str) -> None:
         forward,
         got_model,
         got_model.weight.detach().clone(),
-        match=["the model's 'weight' and argument 1 were one tensor"],
+        match=["the model's 'weight' and argument 1 (`weight`) were one tensor"],
     )
 
 
@@ -219,7 +219,9 @@ def test_aliasing_made_by_replacing_a_parameter_s_data_is_seen(
         model,
         a,
         b[0],
-        match=["the model's 'weight' and argument 2 share one storage in this call"],
+        match=[
+            "the model's 'weight' and argument 2 (`b`) share one storage in this call"
+        ],
     )
 
 
@@ -251,7 +253,9 @@ def test_pytree_node_without_key_paths() -> None:
     torch.testing.assert_close(forward(model, pairs), pair_step(model, pairs))
     # The leaves of such a node are named by position, in capture and in the driver.
     bad = [Pair(torch.ones(2, 4), torch.ones(3, 4))]
-    assert_rejected(forward, model, bad, match=["argument 1[0][1] has shape (3, 4)"])
+    assert_rejected(
+        forward, model, bad, match=["argument 1 (`pairs[0][1]`) has shape (3, 4)"]
+    )
 
 
 # --- 3. Layout checks only where the compiled graph depends on the layout ----------

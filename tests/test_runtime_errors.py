@@ -218,7 +218,11 @@ def test_non_module_at_module_position(
         batch,
         0.5,
         also_unchanged=[model],
-        match=["argument 0 must be an nn.Module", "got Tensor", "Pass the model"],
+        match=[
+            "argument 0 (`model`) must be an nn.Module",
+            "got Tensor",
+            "Pass the model",
+        ],
     )
 
 
@@ -251,7 +255,7 @@ def test_missing_key(
         wrong,
         0.5,
         match=[
-            "argument 1 lacks the key(s) ['target']",
+            "argument 1 (`batch`) lacks the key(s) ['target']",
             "matches the example's by key, in any order",
             "Pass a dict with exactly those keys",
         ],
@@ -279,7 +283,11 @@ def test_leaf_checks_run_without_in_spec(pair_artifact: Artifact) -> None:
         pair_artifact.forward,
         model,
         Pair(torch.randn(8, 4), torch.randn(8, 5)),
-        match=["argument 1.second has shape (8, 5)", "(8, 4)", "Pass that shape"],
+        match=[
+            "argument 1 (`pair.second`) has shape (8, 5)",
+            "(8, 4)",
+            "Pass that shape",
+        ],
     )
 
 
@@ -290,7 +298,7 @@ def test_wrong_shape(forward: Callable[..., object], model: nn.Module) -> None:
         make_batch(rows=3),
         0.5,
         match=[
-            "argument 1['inputs'][0] has shape (3, 4)",
+            "argument 1 (`batch['inputs'][0]`) has shape (3, 4)",
             "captured with shape (8, 4)",
             "Pass that shape, or capture again",
         ],
@@ -307,7 +315,7 @@ def test_wrong_dtype(
         wrong,
         0.5,
         match=[
-            "argument 1['target'] has dtype torch.float64",
+            "argument 1 (`batch['target']`) has dtype torch.float64",
             "captured with torch.float32",
             ".to(torch.float32)",
         ],
@@ -325,7 +333,7 @@ def test_wrong_device(
         wrong,
         0.5,
         match=[
-            "argument 1['inputs'][0] is on device 'meta'",
+            "argument 1 (`batch['inputs'][0]`) is on device 'meta'",
             "captured on 'cpu'",
             ".to('cpu')",
         ],
@@ -340,7 +348,11 @@ def test_tensor_where_example_had_non_tensor(
         model,
         batch,
         torch.tensor(0.5),
-        match=["argument 2 is a tensor", "non-tensor value", "Pass the example's"],
+        match=[
+            "argument 2 (`scale`) is a tensor",
+            "non-tensor value",
+            "Pass the example's",
+        ],
     )
 
 
@@ -363,7 +375,7 @@ def test_other_scalar_than_the_example(
         batch,
         value,
         match=[
-            f"argument 2 is {shown}, but the function was traced with 0.5",
+            f"argument 2 (`scale`) is {shown}, but the function was traced with 0.5",
             "the graph has built in",
             "Pass 0.5, or capture again with this value",
         ],
@@ -379,7 +391,11 @@ def test_non_tensor_where_example_had_tensor(
         model,
         wrong,
         0.5,
-        match=["argument 1['target'] must be a tensor", "shape (8, 4)", "got float"],
+        match=[
+            "argument 1 (`batch['target']`) must be a tensor",
+            "shape (8, 4)",
+            "got float",
+        ],
     )
 
 
@@ -560,6 +576,110 @@ def test_the_shape_message_of_an_optimizer_step_does_not_suggest_mark_unbacked()
     with pytest.raises(pg.PrecompileError) as info:
         forward(model, optimizer, torch.randn(5, 4))
     message = str(info.value)
-    assert "argument 2 has shape (5, 4)" in message
+    assert "argument 2 (`x`) has shape (5, 4)" in message
     assert "Pass that shape, or capture again with this one" in message
     assert "mark_unbacked" not in message
+
+
+# --- arguments named by position and by the traced function's own name --------------
+
+
+@pytest.fixture(scope="module")
+def sgd_artifact() -> Artifact:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return _build(_sgd_step, model, optimizer, torch.randn(3, 4))
+
+
+def test_a_tensor_argument_is_named_by_position_and_name(
+    sgd_artifact: Artifact,
+) -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert_call_rejected(
+        sgd_artifact.forward,
+        model,
+        optimizer,
+        torch.randn(3, 4, dtype=torch.float64),
+        match=["argument 2 (`x`) has dtype torch.float64", ".to(torch.float32)"],
+    )
+
+
+def test_a_module_argument_is_named_by_position_and_name(
+    sgd_artifact: Artifact,
+) -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert_call_rejected(
+        sgd_artifact.forward,
+        {"model": model},
+        optimizer,
+        torch.randn(3, 4),
+        match=["argument 0 (`model`) must be an nn.Module", "got dict"],
+        also_unchanged=[model],
+    )
+
+
+def test_an_optimizer_argument_is_named_by_position_and_name(
+    sgd_artifact: Artifact,
+) -> None:
+    model = nn.Linear(4, 2)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    assert_call_rejected(
+        sgd_artifact.forward,
+        model,
+        adam,
+        torch.randn(3, 4),
+        match=["argument 1 (`optimizer`) must be a torch.optim.SGD", "got Adam"],
+    )
+    foreign = torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1)
+    assert_call_rejected(
+        sgd_artifact.forward,
+        model,
+        foreign,
+        torch.randn(3, 4),
+        match=["param group 0 of the SGD at argument 1 (`optimizer`) holds"],
+    )
+
+
+def test_a_leaf_inside_a_dict_is_named_by_its_path_below_the_name(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    batch["target"] = torch.randn(8, 3)
+    assert_call_rejected(
+        forward,
+        model,
+        batch,
+        0.5,
+        match=["argument 1 (`batch['target']`) has shape (8, 3)", "(8, 4)"],
+    )
+
+
+def test_extra_positional_arguments_are_named_as_args_k() -> None:
+    def step(model: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        return model(args[0] + args[1]).sum()
+
+    model = nn.Linear(4, 2)
+    artifact = _build(step, model, torch.randn(3, 4), torch.randn(3, 4))
+    assert_call_rejected(
+        artifact.forward,
+        model,
+        torch.randn(3, 4),
+        torch.randn(5, 4),
+        match=["argument 2 (`args_1`) has shape (5, 4)"],
+    )
+
+
+def test_a_capture_error_names_the_argument_as_the_artifact_would() -> None:
+    def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(batch["x"]).sum()
+        loss.backward()
+        return loss.detach()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.capture(step, nn.Linear(4, 2), {"x": x}, backend="eager")
+    message = str(caught.value)
+    assert "the input argument 1 (`batch['x']`) (a (3, 4) tensor)" in message
+    assert "requires_grad=False" in message
+    assert x.grad is None

@@ -297,7 +297,10 @@ REFUSED = {
     "two_steps": (
         two_steps,
         lambda model: [torch.optim.SGD(model.parameters(), lr=0.1)],
-        ["step() on the SGD at argument 1 more than once", "Step once per call"],
+        [
+            "step() on the SGD at argument 1 (`optimizer`) more than once",
+            "Step once per call",
+        ],
     ),
     "forward_after_step": (
         forward_after_step,

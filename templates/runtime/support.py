@@ -20,6 +20,13 @@ from torch.utils.hooks import RemovableHandle
 
 
 # --- The call's arguments -----------------------------------------------------------
+def _argument(position: int, names: list[str], path: str = "") -> str:
+    """How messages name the call's argument at ``position``, or its part at ``path``:
+    by position and by the traced function's own name for it (``names``,
+    ARGUMENT_NAMES), e.g. "argument 1 (`batch['input_ids']`)"."""
+    return f"argument {position} (`{names[position]}{path}`)"
+
+
 def _arguments_message(count: int, expected: int, signature: str) -> str:
     return (
         f"forward() takes {expected} positional arguments ({signature}), the same as "
@@ -28,9 +35,11 @@ def _arguments_message(count: int, expected: int, signature: str) -> str:
     )
 
 
-def _not_a_module_message(position: int, argument: object, signature: str) -> str:
+def _not_a_module_message(
+    position: int, names: list[str], argument: object, signature: str
+) -> str:
     return (
-        f"argument {position} must be an nn.Module, as in the traced call "
+        f"{_argument(position, names)} must be an nn.Module, as in the traced call "
         f"({signature}), but got {type(argument).__name__}. Pass the model at "
         f"position {position}."
     )
@@ -635,10 +644,11 @@ def _python_value(
 
 
 def _python_values_problem(
-    args: tuple[object, ...], python_values: list[tuple[str, str]]
+    args: tuple[object, ...], python_values: list[tuple[str, str]], names: list[str]
 ) -> str | None:
     """Read each of ``python_values`` (PYTHON_VALUES) in this call: what differs from
-    the traced value, or None when none does, having remembered what was read."""
+    the traced value (its argument named by ``names``, ARGUMENT_NAMES), or None when
+    none does, having remembered what was read."""
     links: list[tuple[Any, object, object] | None] = []
     rereads: list[tuple[str, object]] = []
     roots: set[int] = set()
@@ -648,7 +658,9 @@ def _python_values_problem(
         if value is _UNCHECKED:
             continue
         if value is _ABSENT or repr(value) != traced:
-            return _describe_python_value(path, value, traced)
+            return _describe_python_value(
+                _python_value_place(path, names), value, traced
+            )
         if None in path_links:
             rereads.append((path, value))
         links += path_links
@@ -682,6 +694,14 @@ def _python_values_hold(args: tuple[object, ...]) -> bool:
         if _python_value(args, path, None) is not value:
             return False
     return True
+
+
+def _python_value_place(path: str, names: list[str]) -> str:
+    # An argument's value as the traced function's code reads it: `model.config.flag`.
+    head, _, accessors = path.partition(": ")
+    if not head.startswith("argument "):
+        return path
+    return _argument(int(head.removeprefix("argument ")), names, accessors)
 
 
 def _describe_python_value(path: str, value: object, traced: str) -> str:

@@ -209,11 +209,14 @@ _LEAF_SIGNATURES: list[tuple[torch.Size, Any, torch.device] | None] = [
 ]
 
 
-def leaf_names(positions: list[int], arguments: tuple[object, ...]) -> list[str]:
-    """Each leaf of the non-module ``arguments`` (at ``positions`` in the call) named
-    by where it sits, e.g. "argument 1['x'][0]"."""
+def leaf_names(
+    positions: list[int], names: list[str], arguments: tuple[object, ...]
+) -> list[str]:
+    """Each leaf of the non-module ``arguments`` (at ``positions`` in the call, which
+    the traced function calls ``names``) named by where it sits, e.g.
+    "argument 1 (`batch['x'][0]`)"."""
     return [
-        f"argument {position}{path}"
+        _argument(position, names, path)
         for position, argument in zip(positions, arguments, strict=True)
         for path in leaf_paths(argument)
     ]
@@ -240,7 +243,7 @@ def leaf_paths(tree: object) -> list[str]:
 
 
 def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
-    return leaf_names(_USER_POSITIONS, user_inputs)[leaf_index]
+    return leaf_names(_USER_POSITIONS, ARGUMENT_NAMES, user_inputs)[leaf_index]
 
 
 def _split_arguments(
@@ -254,7 +257,7 @@ def _split_arguments(
     for position in MODULE_POSITIONS:
         module = args[position]
         if not isinstance(module, torch.nn.Module):
-            _fail(_not_a_module_message(position, module, _SIGNATURE))
+            _fail(_not_a_module_message(position, ARGUMENT_NAMES, module, _SIGNATURE))
         modules.append(module)
     user_inputs = tuple([args[i] for i in _USER_POSITIONS])
     if _TENSOR_ARGUMENTS and all(type(a) is torch.Tensor for a in user_inputs):
@@ -397,7 +400,7 @@ def forward(*args: object, **keywords: object) -> object:
     if state is None:
         tensors, names, _ = module_state(modules)
         _check_module_state(modules, tensors, names)
-        problem = _python_values_problem(args, PYTHON_VALUES)
+        problem = _python_values_problem(args, PYTHON_VALUES, ARGUMENT_NAMES)
         if problem is not None:
             _fail(problem)
         state = _remember(modules, tensors)
@@ -415,7 +418,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support (sha256 cee91379436baf23929878d516e24ebed2288ce8f31ab0c19e47bdb4ab12cec7)
+# 4. Runtime support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
 # ====================================================================================
 # (its text: tests/golden/runtime/support.py, pinned once for every golden)
 

@@ -228,7 +228,7 @@ _LEAF_SIGNATURES: list[tuple[torch.Size, Any, torch.device] | None] = [
 
 def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
     # Each leaf is an argument of its own.
-    return f"argument {_USER_POSITIONS[leaf_index]}"
+    return _argument(_USER_POSITIONS[leaf_index], ARGUMENT_NAMES)
 
 
 def _split_arguments(
@@ -242,7 +242,7 @@ def _split_arguments(
     for position in MODULE_POSITIONS:
         module = args[position]
         if not isinstance(module, torch.nn.Module):
-            _fail(_not_a_module_message(position, module, _SIGNATURE))
+            _fail(_not_a_module_message(position, ARGUMENT_NAMES, module, _SIGNATURE))
         modules.append(module)
     user_inputs = tuple([args[i] for i in _USER_POSITIONS])
     if _TENSOR_ARGUMENTS and all(type(a) is torch.Tensor for a in user_inputs):
@@ -395,7 +395,7 @@ def forward(*args: object, **keywords: object) -> object:
     if state is None:
         tensors, names, _ = module_state(modules)
         _check_module_state(modules, tensors, names)
-        problem = _python_values_problem(args, PYTHON_VALUES)
+        problem = _python_values_problem(args, PYTHON_VALUES, ARGUMENT_NAMES)
         if problem is not None:
             _fail(problem)
         state = _remember(modules, tensors)
@@ -415,7 +415,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support (sha256 cee91379436baf23929878d516e24ebed2288ce8f31ab0c19e47bdb4ab12cec7)
+# 4. Runtime support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
 # ====================================================================================
 # (its text: tests/golden/runtime/support.py, pinned once for every golden)
 
