@@ -49,19 +49,48 @@ def template_dir() -> Path:
     return Path(__file__).parent.parent / "templates"
 
 
-# The code every artifact of this version carries verbatim, as its last section: a
-# plain module that ruff and pyrefly check as it is, read through the templates'
-# loader (an installed wheel's copy, like every template) and never rendered.
+# The code every artifact of this version carries verbatim, as its last section: plain
+# modules that ruff and pyrefly check as they are, read through the templates' loader
+# (an installed wheel's copy, like every template) and never rendered. The base part
+# is in every artifact; a feature's part follows it in the artifacts with that feature,
+# from its first heading line on (above it, imports of the base's names for checking
+# it as a module), so each combination of parts is one known text.
 RUNTIME_SUPPORT = "runtime/support.py"
+RUNTIME_PARTS: dict[str, str] = {
+    "support": RUNTIME_SUPPORT,
+    "optimizers": "runtime/optimizers.py",
+}
+_PART_HEADING = "\n# --- "
+
+
+def runtime_parts(features: DriverFeatures) -> tuple[str, ...]:
+    """The runtime support's parts that an artifact with ``features`` carries."""
+    return ("support", "optimizers") if features.optimizers else ("support",)
 
 
 @functools.cache
-def runtime_support() -> str:
-    """The runtime support's text, as every artifact of this version carries it."""
+def runtime_support(parts: tuple[str, ...] = ("support",)) -> str:
+    """The runtime support's text, as every artifact of this version with these
+    parts carries it."""
     env = environment()
     assert env.loader is not None
-    source, _, _ = env.loader.get_source(env, RUNTIME_SUPPORT)
-    return source
+    texts = []
+    for part in parts:
+        source, _, _ = env.loader.get_source(env, RUNTIME_PARTS[part])
+        if part != "support":
+            source = source[source.index(_PART_HEADING) + 1 :]
+        texts.append(source)
+    return compose_runtime(texts)
+
+
+def compose_runtime(texts: list[str]) -> str:
+    """The runtime support made of its parts' carried texts, in order."""
+    return "\n\n".join(texts)
+
+
+def runtime_title(parts: tuple[str, ...], text: str) -> str:
+    """The runtime support section's title: its parts, and its text's stamp."""
+    return f"Runtime support: {' + '.join(parts)} (sha256 {runtime_stamp(text)})"
 
 
 def runtime_stamp(text: str) -> str:
@@ -551,18 +580,20 @@ def render_skeleton(cap: CaptureResult) -> str:
     The templates emit black-formatted code, so the skeleton is final as rendered
     (tests check that black leaves it unchanged).
     """
-    support = runtime_support()
+    features = driver_features(cap)
+    parts = runtime_parts(features)
+    support = runtime_support(parts)
     skeleton = (
         environment()
         .get_template("artifact.py.j2")
         .render(
             cap=cap,
             metadata=metadata_constants(cap),
-            features=driver_features(cap),
+            features=features,
             graph=graph_features(cap),
             graph_marker=GRAPH_MARKER,
             runtime_support=support,
-            runtime_sha256=runtime_stamp(support),
+            runtime_title=runtime_title(parts, support),
         )
     )
     if skeleton.count(GRAPH_MARKER) != 1:

@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 
 from precompile_gen.inspection import format_report, inspect_artifact
-from precompile_gen.render import render_artifact
+from precompile_gen.render import compose_runtime, render_artifact
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = REPO_ROOT / "tests" / "golden"
@@ -146,5 +146,7 @@ def test_documented_golden_update_command_regenerates_the_goldens(
         written = (copy / "golden" / f"{name}.py").read_text(encoding="utf-8")
         golden, runtime = golden_tests.split_runtime(render_artifact(case()))
         assert written == golden, name
-        pinned = copy / "golden" / "runtime" / "support.py"
-        assert pinned.read_text(encoding="utf-8") == runtime
+        parts = golden_tests.runtime_parts(golden)
+        pinned = [copy / "golden" / "runtime" / f"{part}.py" for part in parts]
+        texts = [path.read_text(encoding="utf-8") for path in pinned]
+        assert compose_runtime(texts) == runtime

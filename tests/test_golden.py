@@ -1,9 +1,10 @@
 """Golden artifacts: the emitted text, pinned byte for byte.
 
 A template change shows up here as a diff of tests/golden/; review it like code.
-The runtime support, the same in every artifact, is pinned once
-(tests/golden/runtime/support.py): each golden holds its section's title, with the
-stamp, in place of its text. Regenerate after an intended change with
+The runtime support, the same in every artifact with the same parts, is pinned once
+per part (tests/golden/runtime/<part>.py, the text the artifact carries): each golden
+holds its section's title, which names the parts and gives the stamp, in place of its
+text. Regenerate after an intended change with
 
     python -m pytest tests/test_golden.py --update-goldens
 
@@ -19,6 +20,7 @@ import ast
 import dataclasses
 import difflib
 import hashlib
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,11 +45,30 @@ from precompile_gen.stubs import STUBS
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 FIXTURE_DIR = Path(__file__).parent / "fixtures"
-RUNTIME_GOLDEN = GOLDEN_DIR / "runtime" / Path(render.RUNTIME_SUPPORT).name
+RUNTIME_DIR = GOLDEN_DIR / "runtime"
 # What a golden holds in place of the runtime support's text.
 RUNTIME_PLACEHOLDER = (
-    "# (its text: tests/golden/runtime/support.py, pinned once for every golden)\n"
+    "# (its text: its parts in tests/golden/runtime/, pinned once for every golden)\n"
 )
+_RUNTIME_TITLE = re.compile(r"Runtime support: (.+) \(sha256 [0-9a-f]{64}\)")
+
+
+def runtime_parts(text: str) -> tuple[str, ...]:
+    """The runtime support's parts, as an artifact's (or golden's) title names them."""
+    title = sections_by_key(text)["runtime"].title
+    found = _RUNTIME_TITLE.fullmatch(title)
+    assert found is not None, title
+    return tuple(found.group(1).split(" + "))
+
+
+def pinned_part(part: str) -> Path:
+    return RUNTIME_DIR / f"{part}.py"
+
+
+def pinned_runtime(parts: tuple[str, ...]) -> str:
+    """The runtime support with these parts, as the pinned parts compose it."""
+    texts = [pinned_part(part).read_text(encoding="utf-8") for part in parts]
+    return render.compose_runtime(texts)
 
 
 def split_runtime(text: str) -> tuple[str, str]:
@@ -61,7 +82,7 @@ def split_runtime(text: str) -> tuple[str, str]:
 
 def full_artifact(golden: str) -> str:
     """The artifact a golden stands for: the pinned runtime support in its place."""
-    body = RUNTIME_GOLDEN.read_text(encoding="utf-8")
+    body = pinned_runtime(runtime_parts(golden))
     assert golden.count(RUNTIME_PLACEHOLDER) == 1
     return golden.replace(RUNTIME_PLACEHOLDER, body)
 
@@ -281,13 +302,18 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
 def test_golden(name: str, update_goldens: bool) -> None:
     rendered, body = split_runtime(pg.render_artifact(CASES[name]()))
     path = GOLDEN_DIR / f"{name}.py"
+    parts = runtime_parts(rendered)
+    texts = {part: render.runtime_support((part,)) for part in parts}
+    assert body == render.compose_runtime(list(texts.values()))
     if update_goldens:
         path.write_text(rendered, encoding="utf-8")
-        RUNTIME_GOLDEN.parent.mkdir(exist_ok=True)
-        RUNTIME_GOLDEN.write_text(body, encoding="utf-8")
+        RUNTIME_DIR.mkdir(exist_ok=True)
+        for part, text in texts.items():
+            pinned_part(part).write_text(text, encoding="utf-8")
         return
     _assert_pinned(path, rendered)
-    _assert_pinned(RUNTIME_GOLDEN, body)
+    for part, text in texts.items():
+        _assert_pinned(pinned_part(part), text)
 
 
 def _assert_pinned(path: Path, rendered: str) -> None:
@@ -311,52 +337,71 @@ def _assert_pinned(path: Path, rendered: str) -> None:
 
 
 def test_runtime_golden_is_the_text_its_stamp_names() -> None:
-    body = RUNTIME_GOLDEN.read_text(encoding="utf-8")
-    stamp = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    variants = set()
     for name in CASES:
         golden = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
+        parts = runtime_parts(golden)
+        body = pinned_runtime(parts)
+        stamp = hashlib.sha256(body.encode("utf-8")).hexdigest()
         assert sections_by_key(golden)["runtime"].stamp == stamp, name
         assert sections_by_key(full_artifact(golden))["runtime"].body == body
+        variants.add(parts)
+    # The goldens carry each part, and the base part alone.
+    assert {part for parts in variants for part in parts} == set(render.RUNTIME_PARTS)
+    assert ("support",) in variants
 
 
 def _section_texts(text: str) -> dict[str, str]:
     return {key: section.text for key, section in sections_by_key(text).items()}
 
 
-@pytest.fixture
-def edited_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Templates whose runtime support has one more function, rendered from."""
+EDIT = "\n\ndef _edited() -> None:\n    pass\n"
+
+
+@pytest.fixture(params=sorted(render.RUNTIME_PARTS))
+def edited_part(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """Templates whose runtime support part has one more function, rendered from."""
+    part: str = request.param
     templates = tmp_path / "templates"
     shutil.copytree(render.template_dir(), templates)
-    support = templates / render.RUNTIME_SUPPORT
-    edited = support.read_text(encoding="utf-8") + (
-        "\n\ndef _edited() -> None:\n    pass\n"
-    )
-    support.write_text(edited, encoding="utf-8")
+    source = templates / render.RUNTIME_PARTS[part]
+    source.write_text(source.read_text(encoding="utf-8") + EDIT, encoding="utf-8")
     monkeypatch.setattr(render, "template_dir", lambda: templates)
     render.environment.cache_clear()
     render.runtime_support.cache_clear()
-    yield edited
+    yield part
     render.environment.cache_clear()
     render.runtime_support.cache_clear()
 
 
-def test_a_runtime_change_changes_only_the_runtime_golden(
-    edited_runtime: str,
-) -> None:
-    pinned_body = RUNTIME_GOLDEN.read_text(encoding="utf-8")
-    old_stamp = hashlib.sha256(pinned_body.encode("utf-8")).hexdigest()
-    new_stamp = hashlib.sha256(edited_runtime.encode("utf-8")).hexdigest()
-    assert new_stamp != old_stamp
+def test_a_runtime_change_changes_only_the_runtime_golden(edited_part: str) -> None:
+    changed = 0
     for name, case in CASES.items():
         golden, body = split_runtime(pg.render_artifact(case()))
-        assert body == edited_runtime
         pinned = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
+        parts = runtime_parts(pinned)
+        texts = [pinned_part(part).read_text(encoding="utf-8") for part in parts]
+        texts = [
+            text + EDIT if part == edited_part else text
+            for part, text in zip(parts, texts, strict=True)
+        ]
+        assert body == render.compose_runtime(texts), name
+        if edited_part not in parts:
+            assert golden == pinned, name
+            continue
+        changed += 1
+        old_stamp = sections_by_key(pinned)["runtime"].stamp
+        assert old_stamp is not None
+        new_stamp = hashlib.sha256(body.encode("utf-8")).hexdigest()
+        assert new_stamp != old_stamp
         # Every section but the runtime support's title (its stamp) is unchanged.
         assert golden == pinned.replace(old_stamp, new_stamp), name
         rendered, before = _section_texts(golden), _section_texts(pinned)
         assert {k for k in rendered if rendered[k] != before[k]} == {"runtime"}
         assert rendered["driver"] == before["driver"]
+    assert changed
 
 
 def _import_time_names(statement: ast.stmt) -> set[str]:
@@ -402,7 +447,8 @@ def test_nothing_runs_runtime_support_before_it_is_defined(backend: Backend) -> 
     # The runtime support comes after section 3: while the artifact is executed,
     # section 3 may define functions that call it, but read none of its names.
     for make in STUBS.values():
-        text = pg.render_artifact(make(backend))
+        cap = make(backend)
+        text = pg.render_artifact(cap)
         module = ast.parse(text)
         sections = sections_by_key(text)
         runtime = sections["runtime"]
@@ -410,6 +456,8 @@ def test_nothing_runs_runtime_support_before_it_is_defined(backend: Backend) -> 
         after = [s for s in module.body if s.lineno >= runtime.first_line]
         only_later = _defined_names(after) - _defined_names(before)
         assert "_remember" in only_later
+        if cap.optimizers:
+            assert "_OptimizerArguments" in only_later
         for statement in before:
             read = _import_time_names(statement) & only_later
             assert not read, (statement.lineno, read)
@@ -450,7 +498,8 @@ def test_inductor_golden_splices_the_graph_verbatim() -> None:
 def test_goldens_have_no_stale_files() -> None:
     on_disk = {path.stem for path in GOLDEN_DIR.glob("*.py")}
     assert on_disk == set(CASES)
-    assert list(RUNTIME_GOLDEN.parent.iterdir()) == [RUNTIME_GOLDEN]
+    pinned = sorted(RUNTIME_DIR.iterdir())
+    assert pinned == sorted(pinned_part(part) for part in render.RUNTIME_PARTS)
 
 
 def test_renderer_never_reads_python_source(monkeypatch: pytest.MonkeyPatch) -> None:

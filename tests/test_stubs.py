@@ -10,7 +10,7 @@ from pathlib import Path
 from precompile_gen.capture_result import BACKENDS
 from precompile_gen.cli import main
 from precompile_gen.render import (
-    RUNTIME_SUPPORT,
+    RUNTIME_PARTS,
     DriverFeatures,
     driver_features,
     environment,
@@ -24,8 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def test_stubs_cover_every_template() -> None:
     # The stubs render artifact.py.j2; that reaches every template below (each
     # backend's graph and driver), and a new template must be added here (and so to
-    # what stubs render). The runtime support is carried verbatim, and also checked
-    # by ruff and pyrefly as the plain module it is.
+    # what stubs render). The runtime support's parts are carried verbatim, and also
+    # checked by ruff and pyrefly as the plain modules they are.
     shared = {
         "artifact.py.j2",
         "header.py.j2",
@@ -55,7 +55,7 @@ def test_stubs_cover_every_template() -> None:
             "forward",
         )
     }
-    runtime = {RUNTIME_SUPPORT}
+    runtime = set(RUNTIME_PARTS.values())
     assert set(environment().list_templates()) == shared | backends | driver | runtime
 
 
@@ -68,22 +68,23 @@ def test_backend_conditionals_live_only_in_the_backends_own_templates() -> None:
 
 
 def test_runtime_support_is_a_module_ruff_and_pyrefly_check() -> None:
-    # No template logic: the text every artifact carries is the file, so the
-    # project's checks read it directly (pyproject includes templates/runtime).
-    support = REPO_ROOT / "templates" / RUNTIME_SUPPORT
-    text = support.read_text(encoding="utf-8")
-    assert "{{" not in text and "{%" not in text and "{#" not in text
-    assert format_python(text) == text
-    compile(text, str(support), "exec")
-    for command in (["ruff", "check"], ["pyrefly", "check", "-c", "pyproject.toml"]):
-        result = subprocess.run(
-            [sys.executable, "-m", *command, str(support)],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
+    # No template logic: the text every artifact carries is the files', so the
+    # project's checks read them directly (pyproject includes templates/runtime).
+    for part in RUNTIME_PARTS.values():
+        source = REPO_ROOT / "templates" / part
+        text = source.read_text(encoding="utf-8")
+        assert "{{" not in text and "{%" not in text and "{#" not in text
+        assert format_python(text) == text
+        compile(text, str(source), "exec")
+        for command in (["ruff", "check"], ["pyrefly", "check", "-c", "pyproject.toml"]):
+            result = subprocess.run(
+                [sys.executable, "-m", *command, str(source)],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_stubs_render_each_driver_feature_both_on_and_off() -> None:
