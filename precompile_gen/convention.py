@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 @functools.cache
 def _driver_code() -> dict[str, Any]:
-    from precompile_gen.render import environment, runtime_support
+    from precompile_gen.render import RUNTIME_SUPPORT, environment, runtime_support
 
     macros = environment().get_template("driver/convention.py.j2").module
     names = (
@@ -40,7 +40,7 @@ def _driver_code() -> dict[str, Any]:
     text = _PRELUDE + "".join(f"\n\n{getattr(macros, name)()}" for name in names)
     namespace: dict[str, Any] = {"__name__": "precompile_gen_convention"}
     support = runtime_support()
-    exec(compile(support, "<templates/runtime/support.py>", "exec"), namespace)
+    exec(compile(support, f"<templates/{RUNTIME_SUPPORT}>", "exec"), namespace)
     exec(compile(text, "<templates/driver/convention.py.j2>", "exec"), namespace)
     return namespace
 

@@ -6,8 +6,9 @@ constant (values read by AST, as ``parse_metadata`` reads them), plus a diff of 
 surrounds the values (comments, annotations). Kernel source strings can be summarised
 to one line each, so a pull request shows that a kernel changed without its C++ or
 Triton body. The runtime support section, the same text in every artifact of a
-version, shows as one line ("identical", its stamp in its title) when both carry the
-same stamp and hold the text it stands for; only the rest of it is ever diffed then.
+version with the same parts, shows as one line ("identical", its stamp in its title)
+when both carry the same stamp and hold the text it stands for; only the rest of it
+is ever diffed then.
 """
 
 from __future__ import annotations

@@ -313,10 +313,8 @@ class DriverFeatures:
     leaf_layouts: bool
     gradients: bool
     grad_resets: bool
-    # Optimizer arguments whose state and lr the graph takes; an SGD with dampened
-    # momentum among them, whose first step the graph cannot take.
+    # Optimizer arguments whose state and lr the graph takes.
     optimizers: bool
-    dampened_momentum: bool
     # Outputs the function returned as t.item(), which the driver converts.
     scalar_outputs: bool
     # Collectives over process groups, and DistributedDataParallel arguments.
@@ -382,12 +380,6 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         gradients=bool(cap.grad_param_indices),
         grad_resets=bool(cap.grad_resets),
         optimizers=bool(cap.optimizers),
-        dampened_momentum=any(
-            group.options.get("momentum", 0) != 0
-            and group.options.get("dampening", 0) != 0
-            for optimizer in cap.optimizers
-            for group in optimizer.groups
-        ),
         scalar_outputs=bool(cap.scalar_outputs),
         process_groups=bool(cap.process_groups),
         data_parallel=bool(cap.data_parallel),

@@ -12,9 +12,9 @@ and everything before the first block is the header. Titles must be numbered 1, 
 titles 1 and 2) cannot start a section.
 
 The last section, the runtime support, is the same text in every artifact of a
-precompile_gen version; its title carries that text's sha256 (its "stamp"), and its
-body is the text between the title and the closing ``if __name__ == "__main__":``
-block.
+precompile_gen version with the same parts (which its title names); its title
+carries that text's sha256 (its "stamp"), and its body is the text between the
+title and the closing ``if __name__ == "__main__":`` block.
 """
 
 from __future__ import annotations

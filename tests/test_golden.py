@@ -535,8 +535,7 @@ FEATURE_CODE = {
     "nested inputs": "def leaf_paths(",
     "dict inputs": "def _in_example_order(",
     "pytree types": "def _register_pytree_types(",
-    "optimizers": "def _check_optimizers(",
-    "dampened momentum": "def _check_fresh_momentum(",
+    "optimizers": "def _optimizers(",
 }
 
 

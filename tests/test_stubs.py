@@ -76,7 +76,8 @@ def test_runtime_support_is_a_module_ruff_and_pyrefly_check() -> None:
         assert "{{" not in text and "{%" not in text and "{#" not in text
         assert format_python(text) == text
         compile(text, str(source), "exec")
-        for command in (["ruff", "check"], ["pyrefly", "check", "-c", "pyproject.toml"]):
+        checks = (["ruff", "check"], ["pyrefly", "check", "-c", "pyproject.toml"])
+        for command in checks:
             result = subprocess.run(
                 [sys.executable, "-m", *command, str(source)],
                 cwd=REPO_ROOT,
