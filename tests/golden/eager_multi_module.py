@@ -507,9 +507,9 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
+# 4. Runtime support: support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
 # ====================================================================================
-# (its text: tests/golden/runtime/support.py, pinned once for every golden)
+# (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
 
 if __name__ == "__main__":

@@ -410,257 +410,25 @@ def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1]
 
 
-# The optimizer arguments' classes.
-_OPTIMIZER_CLASSES: list[type[torch.optim.Optimizer]] = [
-    getattr(torch.optim, optimizer["class"]) for optimizer in OPTIMIZERS
-]
-# A state tensor's shape, dtype and device as a matching tensor reports them, so
-# that it costs one comparison.
-_Signature = tuple[torch.Size, Any, torch.device]
+# The optimizer arguments as traced, for the runtime support, which comes after this
+# section: built at the first call.
+_optimizer_arguments: list["_OptimizerArguments"] = []
 
 
-def _dtype(name: str) -> Any:
-    # "torch.float32" -> torch.float32, as the metadata names dtypes.
-    return getattr(torch, name.removeprefix("torch."), None)
-
-
-def _state_layout(state: list[Any]) -> list[tuple[int, list[str], list[_Signature]]]:
-    """Per parameter with state (index into PARAM_NAMES): its keys, in the order the
-    step creates them, and each tensor's signature."""
-    layout: list[tuple[int, list[str], list[_Signature]]] = []
-    for index, key, shape, dtype, device, _ in state:
-        if not layout or layout[-1][0] != index:
-            layout.append((index, [], []))
-        layout[-1][1].append(key)
-        signature = (torch.Size(shape), _dtype(dtype), torch.device(device))
-        layout[-1][2].append(signature)
-    return layout
-
-
-_STATE_LAYOUTS: list[list[tuple[int, list[str], list[_Signature]]]] = [
-    _state_layout(optimizer["state"]) for optimizer in OPTIMIZERS
-]
-_GRADIENTS: set[int] = set(GRAD_PARAM_INDICES)
-# Parameters whose .grad the function resets before its backward, and those it
-# sets to None.
-_RESET: set[int] = {index for index, _ in GRAD_RESETS}
-_RESET_TO_NONE: set[int] = {index for index, to_none in GRAD_RESETS if to_none}
-
-
-class _Step:
-    """One optimizer argument of a call that passed the checks: what its step
-    reads, and the state its first step has yet to create."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        self.fresh: list[int] = []
-
-
-def _check_optimizers(
-    args: tuple[object, ...], tensors: list[torch.Tensor]
-) -> list[_Step]:
-    """Hold each optimizer argument to the traced one; change nothing."""
-    steps = []
-    for spec, cls, layout in zip(OPTIMIZERS, _OPTIMIZER_CLASSES, _STATE_LAYOUTS):
-        position = spec["position"]
-        optimizer = args[position]
-        where = _argument(position, ARGUMENT_NAMES)
-        if type(optimizer) is not cls:
-            _fail(
-                f"{where} must be a torch.optim.{cls.__name__}, as in the traced "
-                f"call ({_SIGNATURE}), but got {type(optimizer).__name__}. "
-                f"Pass that optimizer at position {position}, or capture again with "
-                "this one."
+def _optimizers() -> "_OptimizerArguments":
+    if not _optimizer_arguments:
+        _optimizer_arguments.append(
+            _OptimizerArguments(
+                OPTIMIZERS,
+                ARGUMENT_NAMES,
+                _SIGNATURE,
+                _STATE_NAMES,
+                GRAD_PARAM_INDICES,
+                GRAD_RESETS,
+                [],
             )
-        step = _Step(optimizer)
-        subject = f"the {cls.__name__} at {where}"
-        _check_groups(step.optimizer, spec["groups"], tensors, subject)
-        if spec["steps"]:
-            _check_gradients(spec["groups"], tensors, subject)
-        state = step.optimizer.state
-        for index, keys, signatures in layout:
-            param_state = state.get(tensors[index])
-            if not param_state:
-                step.fresh.append(index)
-                continue
-            if list(param_state) != keys:
-                _fail(
-                    f"{subject} holds the state {list(param_state)} for the model's "
-                    f"{_STATE_NAMES[index]!r}, but its traced step keeps {keys}. "
-                    "Pass an optimizer whose state its own steps created, or capture "
-                    "again with this one."
-                )
-            for key, signature in zip(keys, signatures):
-                tensor = param_state[key]
-                if (
-                    not isinstance(tensor, torch.Tensor)
-                    or (tensor.shape, tensor.dtype, tensor.device) != signature
-                ):
-                    _check_state_tensor(
-                        tensor,
-                        f"{subject}'s state {key!r} of the model's "
-                        f"{_STATE_NAMES[index]!r}",
-                        signature,
-                    )
-        steps.append(step)
-    return steps
-
-
-def _check_groups(
-    optimizer: torch.optim.Optimizer,
-    traced_groups: list[dict[str, Any]],
-    tensors: list[torch.Tensor],
-    subject: str,
-) -> None:
-    groups = optimizer.param_groups
-    if len(groups) != len(traced_groups):
-        _fail(
-            f"{subject} has {len(groups)} param groups, but the traced one had "
-            f"{len(traced_groups)}. Build it with the traced groups, or capture again "
-            "with this optimizer."
         )
-    for number, (group, traced) in enumerate(zip(groups, traced_groups)):
-        params, indices = group["params"], traced["params"]
-        if len(params) != len(indices) or any(
-            param is not tensors[index] for param, index in zip(params, indices)
-        ):
-            _fail(
-                f"param group {number} of {subject} holds "
-                f"{_param_names(params, tensors)}, but the traced one held "
-                f"{[_STATE_NAMES[index] for index in indices]}. Build the optimizer "
-                "from this model's parameters, in the traced order, or capture again "
-                "with it."
-            )
-        for key, value in traced["options"].items():
-            now = group.get(key)
-            if (tuple(now) if isinstance(now, list) else now) != value:
-                _fail(
-                    f"param group {number} of {subject} has {key}={now!r}, but the "
-                    f"traced step was built with {key}={value!r}; only lr is read at "
-                    f"each call (a scheduler that changes {key} needs a capture per "
-                    f"value: OneCycleLR takes cycle_momentum=False). Set {key} back, "
-                    "or capture again with this value."
-                )
-        lr = group["lr"]
-        if not (
-            isinstance(lr, (int, float))
-            or (isinstance(lr, torch.Tensor) and lr.numel() == 1)
-        ) or isinstance(lr, bool):
-            _fail(
-                f"param group {number} of {subject} has lr={lr!r}; it must be a "
-                "number or a one-element tensor."
-            )
-
-
-def _param_names(params: list[torch.Tensor], tensors: list[torch.Tensor]) -> str:
-    # Error path only: each parameter by its name in the model, where it has one.
-    names = {id(tensor): name for tensor, name in zip(tensors, _STATE_NAMES)}
-    shown = [
-        names.get(id(param), f"a tensor of shape {tuple(param.shape)} not in the model")
-        for param in params
-    ]
-    return str(shown)
-
-
-def _check_gradients(
-    traced_groups: list[dict[str, Any]], tensors: list[torch.Tensor], subject: str
-) -> None:
-    # The traced step read the gradients this call's backward computes, before any
-    # other code saw them: the .grad each parameter enters the step with in eager
-    # must be exactly that.
-    for traced in traced_groups:
-        for index in traced["params"]:
-            param, name = tensors[index], _STATE_NAMES[index]
-            if index in _GRADIENTS:
-                if param.grad is not None and index not in _RESET:
-                    _fail(
-                        f"the model's {name!r} comes with a .grad, which eager's "
-                        f"backward would add this call's gradient to before {subject} "
-                        "steps with the sum, but the traced step saw this call's "
-                        "gradient alone. Call zero_grad() in the function, or set the "
-                        ".grad fields to None before the call."
-                    )
-                if param._backward_hooks or param._post_accumulate_grad_hooks:
-                    _fail(
-                        f"the model's {name!r} has a gradient hook (register_hook or "
-                        "register_post_accumulate_grad_hook), which eager runs before "
-                        f"{subject} steps, but the artifact only after its step. "
-                        "Remove the hook, or call the optimizer after the "
-                        "precompiled function."
-                    )
-            elif param.grad is not None and index not in _RESET_TO_NONE:
-                _fail(
-                    f"the model's {name!r} has a .grad, which {subject}'s step would "
-                    "apply, but the traced step had no gradient for it (the "
-                    "function's backward does not reach it). Set its .grad to None "
-                    "before the call (optimizer.zero_grad() in the function does it "
-                    "at every call)."
-                )
-
-
-def _check_state_tensor(tensor: object, what: str, signature: _Signature) -> None:
-    shape, dtype, device = tuple(signature[0]), str(signature[1]), str(signature[2])
-    if not isinstance(tensor, torch.Tensor):
-        _fail(
-            f"{what} is a {type(tensor).__name__}, but the traced step read a tensor. "
-            "Pass an optimizer whose state its own steps created."
-        )
-    if tuple(tensor.shape) != shape or str(tensor.dtype) != dtype:
-        _fail(
-            f"{what} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, but the "
-            f"traced step read {shape} and {dtype}. Pass an optimizer whose state was "
-            "created for this model, or capture again with it."
-        )
-    if str(tensor.device) != device:
-        _fail(
-            f"{what} is on device {str(tensor.device)!r}, but the traced step read it "
-            f"on {device!r}. Move the optimizer's state there, or capture again on "
-            "this device."
-        )
-
-
-def _optimizer_inputs(
-    steps: list[_Step], tensors: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """The graph's inputs after the input leaves: each optimizer's state tensors,
-    created first where its step has not yet, then each group's lr."""
-    state: list[torch.Tensor] = []
-    lrs: list[torch.Tensor] = []
-    for spec, step, layout in zip(OPTIMIZERS, steps, _STATE_LAYOUTS):
-        optimizer = step.optimizer
-        fresh = set(step.fresh)
-        for index, keys, signatures in layout:
-            param = tensors[index]
-            if index in fresh:
-                # What the optimizer's first step creates, in its order of keys:
-                # zeros like the parameter, and a step count of zero.
-                optimizer.state[param] = {
-                    key: (
-                        torch.zeros(shape, dtype=dtype, device=device)
-                        if key == "step"
-                        else torch.zeros_like(param)
-                    )
-                    for key, (shape, dtype, device) in zip(keys, signatures)
-                }
-            param_state = optimizer.state[param]
-            state.extend([param_state[key] for key in keys])
-        for group, traced in zip(optimizer.param_groups, spec["groups"]):
-            dtype, device = traced["lr"]
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor):
-                lrs.append(lr.detach().reshape(()).to(_dtype(dtype), device))
-            else:
-                lrs.append(torch.tensor(lr, dtype=_dtype(dtype), device=device))
-    return state + lrs
-
-
-def _mark_stepped(steps: list[_Step]) -> None:
-    # A learning-rate scheduler wraps its optimizer's step() to note that it ran,
-    # and warns on its own step() if it did not: the artifact's step is that step.
-    for spec, step in zip(OPTIMIZERS, steps):
-        stepped = step.optimizer.step
-        if spec["steps"] and getattr(stepped, "_wrapped_by_lr_sched", False):
-            cast(Any, step.optimizer)._opt_called = True
+    return _optimizer_arguments[0]
 
 
 def reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
@@ -725,9 +493,12 @@ def forward(*args: object, **keywords: object) -> object:
         if problem is not None:
             _fail(problem)
         state = _remember(modules, tensors)
-    steps = _check_optimizers(args, state.tensors)
+    optimizers = _optimizers()
+    steps = optimizers.checked_steps(args, state.tensors)
+    if isinstance(steps, str):
+        _fail(steps)
     _check_aliasing(args, state, leaves)
-    optimizer_inputs = _optimizer_inputs(steps, state.tensors)
+    optimizer_inputs = optimizers.inputs(steps, state.tensors)
     # The graph never reads .grad, so the function's resets can come first, as in
     # eager: gradients reset to None are freed before the graph computes new ones.
     for index, set_to_none in GRAD_RESETS:
@@ -741,16 +512,16 @@ def forward(*args: object, **keywords: object) -> object:
         flat_outputs = call([*state.tensors, *leaves, *optimizer_inputs])
     finally:
         torch._C._set_grad_enabled(grad_enabled)
-    _mark_stepped(steps)
+    optimizers.mark_stepped(steps)
     num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
     _add_gradients(state.tensors, flat_outputs[num_results:])
     return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
 
 
 # ====================================================================================
-# 4. Runtime support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
+# 4. Runtime support: support + optimizers (sha256 bd11b8c4e2476c76cc49e6afadc4c4b4209164d2999e7f7fd78c4e677854a40c)
 # ====================================================================================
-# (its text: tests/golden/runtime/support.py, pinned once for every golden)
+# (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
 
 if __name__ == "__main__":
