@@ -643,6 +643,21 @@ def test_diff_shows_the_same_runtime_support_as_one_line() -> None:
     assert re.search(r"^\+ +return _describe_mode_difference\(.*, False\)$", out, re.M)
 
 
+def test_diff_shows_the_same_runtime_support_parts_as_one_line() -> None:
+    # An artifact with the optimizers part carries one known text too; one with other
+    # parts carries another stamp, and its runtime section is diffed.
+    a = _golden("eager_optimizer_step")
+    runtime = sections_by_key(a)["runtime"]
+    note = 'print("traced function took'
+    out, differs = diff_artifacts(a, a.replace(note, note + " (edited)"), context=9)
+    assert differs
+    assert f"<the runtime support, sha256 {runtime.stamp}>" in out
+    assert "def checked_steps(" not in out
+    out, differs = diff_artifacts(_golden("eager_train_step"), a)
+    assert differs
+    assert "\n+    def checked_steps(\n" in out
+
+
 def test_diff_summarizes_kernel_bodies_on_request(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
