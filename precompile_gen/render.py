@@ -59,13 +59,19 @@ RUNTIME_SUPPORT = "runtime/support.py"
 RUNTIME_PARTS: dict[str, str] = {
     "support": RUNTIME_SUPPORT,
     "optimizers": "runtime/optimizers.py",
+    "process_groups": "runtime/process_groups.py",
 }
 _PART_HEADING = "\n# --- "
 
 
 def runtime_parts(features: DriverFeatures) -> tuple[str, ...]:
     """The runtime support's parts that an artifact with ``features`` carries."""
-    return ("support", "optimizers") if features.optimizers else ("support",)
+    wanted = {
+        "support": True,
+        "optimizers": features.optimizers,
+        "process_groups": features.process_groups or features.data_parallel,
+    }
+    return tuple(part for part in RUNTIME_PARTS if wanted[part])
 
 
 @functools.cache

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import hashlib
 import re
 import shutil
@@ -302,18 +303,24 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
 def test_golden(name: str, update_goldens: bool) -> None:
     rendered, body = split_runtime(pg.render_artifact(CASES[name]()))
     path = GOLDEN_DIR / f"{name}.py"
-    parts = runtime_parts(rendered)
-    texts = {part: render.runtime_support((part,)) for part in parts}
-    assert body == render.compose_runtime(list(texts.values()))
+    texts = [render.runtime_support((part,)) for part in runtime_parts(rendered)]
+    assert body == render.compose_runtime(texts)
     if update_goldens:
         path.write_text(rendered, encoding="utf-8")
-        RUNTIME_DIR.mkdir(exist_ok=True)
-        for part, text in texts.items():
-            pinned_part(part).write_text(text, encoding="utf-8")
         return
     _assert_pinned(path, rendered)
-    for part, text in texts.items():
-        _assert_pinned(pinned_part(part), text)
+
+
+def test_each_runtime_part_is_pinned_once(update_goldens: bool) -> None:
+    # Each part's carried text, whether or not a golden artifact carries it (a stub
+    # renders every part: the runtime tests below check those too).
+    for part in render.RUNTIME_PARTS:
+        text = render.runtime_support((part,))
+        if update_goldens:
+            RUNTIME_DIR.mkdir(exist_ok=True)
+            pinned_part(part).write_text(text, encoding="utf-8")
+        else:
+            _assert_pinned(pinned_part(part), text)
 
 
 def _assert_pinned(path: Path, rendered: str) -> None:
@@ -338,17 +345,28 @@ def _assert_pinned(path: Path, rendered: str) -> None:
 
 def test_runtime_golden_is_the_text_its_stamp_names() -> None:
     variants = set()
-    for name in CASES:
-        golden = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
+    goldens = [(GOLDEN_DIR / f"{name}.py").read_text("utf-8") for name in CASES]
+    stubs = [split_runtime(text)[0] for text in _stub_artifacts().values()]
+    for golden in [*goldens, *stubs]:
         parts = runtime_parts(golden)
         body = pinned_runtime(parts)
         stamp = hashlib.sha256(body.encode("utf-8")).hexdigest()
-        assert sections_by_key(golden)["runtime"].stamp == stamp, name
+        assert sections_by_key(golden)["runtime"].stamp == stamp
         assert sections_by_key(full_artifact(golden))["runtime"].body == body
         variants.add(parts)
-    # The goldens carry each part, and the base part alone.
+    # Between them they carry each part, and the base part alone.
     assert {part for parts in variants for part in parts} == set(render.RUNTIME_PARTS)
     assert ("support",) in variants
+
+
+@functools.cache
+def _stub_artifacts() -> dict[tuple[str, Backend], str]:
+    """Each stub artifact (every driver feature on, and none), by stub and backend."""
+    return {
+        (name, backend): pg.render_artifact(make(backend))
+        for name, make in STUBS.items()
+        for backend in BACKENDS
+    }
 
 
 def _section_texts(text: str) -> dict[str, str]:
@@ -356,6 +374,12 @@ def _section_texts(text: str) -> dict[str, str]:
 
 
 EDIT = "\n\ndef _edited() -> None:\n    pass\n"
+
+
+@pytest.fixture(scope="module")
+def unedited_stubs() -> dict[tuple[str, Backend], str]:
+    """The stub artifacts as the templates render them, before any edit."""
+    return _stub_artifacts()
 
 
 @pytest.fixture(params=sorted(render.RUNTIME_PARTS))
@@ -376,12 +400,28 @@ def edited_part(
     render.runtime_support.cache_clear()
 
 
-def test_a_runtime_change_changes_only_the_runtime_golden(edited_part: str) -> None:
+def test_a_runtime_change_changes_only_the_runtime_golden(
+    unedited_stubs: dict[tuple[str, Backend], str], edited_part: str
+) -> None:
+    # The goldens, and the stubs (which carry every part), rendered again.
+    pinned = {
+        **{name: (GOLDEN_DIR / f"{name}.py").read_text("utf-8") for name in CASES},
+        **{
+            f"{n} stub, {b}": split_runtime(t)[0]
+            for (n, b), t in unedited_stubs.items()
+        },
+    }
+    rendered = {
+        **{name: pg.render_artifact(case()) for name, case in CASES.items()},
+        **{
+            f"{name} stub, {backend}": pg.render_artifact(STUBS[name](backend))
+            for name, backend in unedited_stubs
+        },
+    }
     changed = 0
-    for name, case in CASES.items():
-        golden, body = split_runtime(pg.render_artifact(case()))
-        pinned = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
-        parts = runtime_parts(pinned)
+    for name, text in rendered.items():
+        golden, body = split_runtime(text)
+        parts = runtime_parts(pinned[name])
         texts = [pinned_part(part).read_text(encoding="utf-8") for part in parts]
         texts = [
             text + EDIT if part == edited_part else text
@@ -389,18 +429,18 @@ def test_a_runtime_change_changes_only_the_runtime_golden(edited_part: str) -> N
         ]
         assert body == render.compose_runtime(texts), name
         if edited_part not in parts:
-            assert golden == pinned, name
+            assert golden == pinned[name], name
             continue
         changed += 1
-        old_stamp = sections_by_key(pinned)["runtime"].stamp
+        old_stamp = sections_by_key(pinned[name])["runtime"].stamp
         assert old_stamp is not None
         new_stamp = hashlib.sha256(body.encode("utf-8")).hexdigest()
         assert new_stamp != old_stamp
         # Every section but the runtime support's title (its stamp) is unchanged.
-        assert golden == pinned.replace(old_stamp, new_stamp), name
-        rendered, before = _section_texts(golden), _section_texts(pinned)
-        assert {k for k in rendered if rendered[k] != before[k]} == {"runtime"}
-        assert rendered["driver"] == before["driver"]
+        assert golden == pinned[name].replace(old_stamp, new_stamp), name
+        after, before = _section_texts(golden), _section_texts(pinned[name])
+        assert {k for k in after if after[k] != before[k]} == {"runtime"}
+        assert after["driver"] == before["driver"]
     assert changed
 
 

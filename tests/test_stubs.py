@@ -47,7 +47,6 @@ def test_stubs_cover_every_template() -> None:
             "dtensors",
             "aliasing",
             "layouts",
-            "process_groups",
             "grad_resets",
             "gradients",
             "optimizers",

@@ -1,11 +1,21 @@
-{#- The process groups the graph communicates over, and each DistributedDataParallel
-    argument: a call on another group, or with DDP options the graph was not built
-    for, would reduce wrongly or hang. -#}
+# Runtime support for collectives: carried after the base part
+# (templates/runtime/support.py) by every artifact whose graph communicates over
+# process groups, from its first "# ---" heading on. The lines above that heading
+# are not carried: they import what the base part already defines, so that ruff and
+# pyrefly check this part as a module of its own.
+from typing import Any, cast
+
+from templates.runtime.support import _argument
+
+# isort: split
+
+# --- Process groups and DistributedDataParallel arguments -------------------------
+# A call on another group, or with DDP options the graph was not built for, would
+# reduce wrongly or hang. Section 3 passes PROCESS_GROUPS and DATA_PARALLEL; each
+# check returns its message.
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
-{% if features.data_parallel %}
 from torch.nn.parallel import DistributedDataParallel
-{% endif %}
 
 
 def _group_in_words(record: dict[str, Any]) -> str:
@@ -15,22 +25,23 @@ def _group_in_words(record: dict[str, Any]) -> str:
     )
 
 
-def _check_process_groups() -> None:
-    """Each group the graph's collectives name is this process's group of that
-    name, with the backend and global ranks it had at capture."""
+def _process_groups_problem(records: list[dict[str, Any]]) -> str | None:
+    """Each group the graph's collectives name (``records``, PROCESS_GROUPS) is this
+    process's group of that name, with the backend and global ranks it had at
+    capture."""
     if not dist.is_available() or not dist.is_initialized():
-        _fail(
+        return (
             "this artifact's graph communicates over "
-            f"{_group_in_words(PROCESS_GROUPS[0])}, and this process has no "
+            f"{_group_in_words(records[0])}, and this process has no "
             "torch.distributed process group: call "
             "torch.distributed.init_process_group(...) on every rank before calling "
             "it."
         )
-    for record in PROCESS_GROUPS:
+    for record in records:
         try:
             group = _resolve_process_group(record["name"])
         except (ValueError, RuntimeError, KeyError):
-            _fail(
+            return (
                 f"this artifact's graph communicates over {_group_in_words(record)}, "
                 "which this process does not have: create the same process groups, "
                 "in the same order, as the capturing process did (the graph names "
@@ -39,25 +50,28 @@ def _check_process_groups() -> None:
         ranks = dist.get_process_group_ranks(group)
         backend = dist.get_backend(group)
         if ranks != record["ranks"] or backend != record["backend"]:
-            _fail(
+            return (
                 f"this artifact's graph communicates over {_group_in_words(record)}, "
                 f"but this process's group {record['name']!r} is {backend} over "
                 f"global ranks {ranks}: the graph's collectives were captured for "
                 "that world size and rank layout. Precompile again on this group, "
                 "or run with the group the artifact was captured on."
             )
-{% if features.data_parallel %}
+    return None
 
 
-def _check_data_parallel(args: tuple[object, ...]) -> None:
-    """Each DistributedDataParallel argument as the capture had it: on the same
-    group, outside no_sync(), with no communication hook."""
-    for record in DATA_PARALLEL:
+def _data_parallel_problem(
+    args: tuple[object, ...], records: list[dict[str, Any]], names: list[str]
+) -> str | None:
+    """Each DistributedDataParallel argument (``records``, DATA_PARALLEL) as the
+    capture had it: on the same group, outside no_sync(), with no communication
+    hook."""
+    for record in records:
         position = record["position"]
         module = args[position]
-        where = _argument(position, ARGUMENT_NAMES)
+        where = _argument(position, names)
         if not isinstance(module, DistributedDataParallel):
-            _fail(
+            return (
                 f"{where} was a DistributedDataParallel module at capture, whose "
                 "gradients the graph all-reduces, but this call passes a "
                 f"{type(module).__name__}. Pass the DDP-wrapped model, or precompile "
@@ -65,7 +79,7 @@ def _check_data_parallel(args: tuple[object, ...]) -> None:
             )
         ddp = cast(Any, module)
         if str(ddp.process_group.group_name) != record["group"]:
-            _fail(
+            return (
                 f"the DistributedDataParallel module at {where} reduces "
                 f"over process group {str(ddp.process_group.group_name)!r}, but the "
                 f"graph all-reduces its gradients over group {record['group']!r}. "
@@ -73,21 +87,21 @@ def _check_data_parallel(args: tuple[object, ...]) -> None:
                 "again."
             )
         if not ddp.require_backward_grad_sync:
-            _fail(
+            return (
                 f"the DistributedDataParallel module at {where} is inside "
                 "a no_sync() context, but the graph all-reduces the gradients on "
                 "every call. Call the artifact outside no_sync()."
             )
         if ddp.static_graph:
-            _fail(
+            return (
                 f"the DistributedDataParallel module at {where} was set "
                 "to static_graph after capture; the graph does not run DDP's reducer. "
                 "Leave static_graph off."
             )
         if ddp._comm_hooks or ddp._get_ddp_logging_data().get("comm_hook"):
-            _fail(
+            return (
                 f"the DistributedDataParallel module at {where} has a "
                 "communication hook registered, which the graph's own all-reduce "
                 "would bypass. Remove the hook (construct the DDP module without it)."
             )
-{% endif %}
+    return None
