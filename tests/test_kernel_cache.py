@@ -337,9 +337,19 @@ def test_concurrent_first_calls_of_an_artifact_executed_on_its_own(pair: Pair) -
     namespace: dict[str, object] = {}
     exec(compile(pair.code, "<artifact>", "exec"), namespace)
     forward = namespace["forward"]
+    assert callable(forward)
+    # The models are built here: _model() seeds torch's global generator, which the
+    # threads would share.
+    models = [_model() for _ in range(4)]
+    reference = _model()
+    expected = train_step(reference, *_inputs())
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda _: _assert_matches_eager(forward), range(4)))
+        losses = list(pool.map(lambda model: forward(model, *_inputs()), models))
     assert namespace["_DEFERRED_KERNEL_SCOPES"] == []
+    for loss, model in zip(losses, models, strict=True):
+        torch.testing.assert_close(loss, expected)
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad)
 
 
 @pytest.mark.parametrize(
