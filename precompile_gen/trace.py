@@ -436,7 +436,7 @@ def trace(
     # shows in its version counter. (An optimizer's state, after them, always is.)
     # Some kernels write an argument without bumping it (native_batch_norm's running
     # stats): the ops' schemas say which arguments they write.
-    written = _written_inputs(gm)
+    written = update_order.written_inputs(gm)
     mutated_inputs = [
         position
         for position, (arg, before) in enumerate(zip(flat_args, versions, strict=True))
@@ -550,43 +550,6 @@ def trace(
     )
 
 
-def _written_inputs(gm: torch.fx.GraphModule) -> set[int]:
-    """Positions of the graph inputs that an op's schema says it writes, directly or
-    through a view of them."""
-    base: dict[torch.fx.Node, int] = {}
-    written: set[int] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            base[node] = len(base)
-            continue
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        schema = target._schema
-        values = [
-            node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            for i, argument in enumerate(schema.arguments)
-        ]
-        for i, (argument, value) in enumerate(
-            zip(schema.arguments, values, strict=True)
-        ):
-            writes = argument.alias_info is not None and argument.alias_info.is_write
-            if (
-                (writes or update_order.writes_running_stats(target, i, values))
-                and isinstance(value, torch.fx.Node)
-                and value in base
-            ):
-                written.add(base[value])
-        aliases = [r.alias_info for r in schema.returns]
-        if node.args and any(a is not None and not a.is_write for a in aliases):
-            source = node.args[0]
-            if isinstance(source, torch.fx.Node) and source in base:
-                base[node] = base[source]
-    return written
-
-
-# Batch norms whose schemas leave the running stats (arguments 3 and 4) unannotated,
-# though they update them in training mode (argument 5).
 def _module_params(
     state: ModuleState, flat: list[Any], count: int
 ) -> tuple[list[list[torch.Tensor]], list[list[str]]]:

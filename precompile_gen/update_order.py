@@ -47,6 +47,15 @@ def writes_running_stats(
     return target in _BATCH_NORMS and index in (3, 4) and values[5] is True
 
 
+def written_inputs(gm: torch.fx.GraphModule) -> set[int]:
+    """Positions of the graph inputs that an op's schema says it writes, directly or
+    through a view of them."""
+    storage = _storages(gm)
+    written = set().union(*(_written(node, storage) for node in gm.graph.nodes))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {i for i, node in enumerate(placeholders) if node in written}
+
+
 def hoist_updates(gm: torch.fx.GraphModule, updated: set[int]) -> None:
     """Move the updates of the graph inputs at positions ``updated`` (parameters and
     optimizer state) as early as the graph allows; see the module's docstring."""
