@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from train_step import MODELS
 
 import precompile_gen as pg
-from precompile_gen import demo
+from precompile_gen.tools import demo
 
 WORLD_SIZE = 2
 ROUNDS = 20

@@ -65,8 +65,8 @@ def _rank(
     import torch.distributed as dist
 
     import precompile_gen as pg
-    from precompile_gen import demo
     from precompile_gen.distributed import precompile_once
+    from precompile_gen.tools import demo
 
     # load() warns before executing unsigned code; the benchmark made the code.
     logging.getLogger("precompile_gen").setLevel(logging.ERROR)

@@ -11,7 +11,7 @@ precompiled by both systems on both backends, each time in a fresh process:
 The time is that of the ``precompile(...)`` call alone (imports and the example model
 are made before the clock starts). Systems alternate run by run and each cell is the
 median of ``--repeat`` runs, all in this one run of the script. precompile_gen's row
-is split into its stages from its own log line (see ``precompile_gen.timings``).
+is split into its stages from its own log line (see ``precompile_gen.tools.timings``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import precompile_gen as pg
-from precompile_gen.stubs import stub_capture
+from precompile_gen.codegen.stubs import stub_capture
 
 FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "inductor_mlp_graph.txt"
 SIZES_MB = (1, 10, 100)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen import demo
+from precompile_gen.tools import demo
 
 ROUNDS = 40
 SYSTEMS = ("eager", "torch.compile", "precompile_gen")

@@ -12,22 +12,19 @@ import importlib
 from typing import TYPE_CHECKING
 
 from precompile_gen.capture_result import CaptureResult
-from precompile_gen.errors import PrecompileError
-
-# The load module is imported before its function of the same name is bound here,
-# so ``precompile_gen.load`` names the function.
-from precompile_gen.load import load, parse_metadata
+from precompile_gen.runtime.errors import PrecompileError
+from precompile_gen.runtime.load import load, parse_metadata
 
 if TYPE_CHECKING:
     from precompile_gen.api import capture, precompile
-    from precompile_gen.render import render_artifact
+    from precompile_gen.codegen.render import render_artifact
 
 # Capturing and rendering need the tracer, sympy and Jinja; a process that only loads
 # artifacts never imports them, so they are imported on first use.
 _LAZY = {
     "capture": "precompile_gen.api",
     "precompile": "precompile_gen.api",
-    "render_artifact": "precompile_gen.render",
+    "render_artifact": "precompile_gen.codegen.render",
 }
 
 

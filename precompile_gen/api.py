@@ -6,13 +6,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from precompile_gen import kernel_binaries, timings
-from precompile_gen.cache import build_cache, check_key
 from precompile_gen.capture_result import CaptureResult
-from precompile_gen.files import check_pair_paths, write_pair
-from precompile_gen.lower import lower
-from precompile_gen.render import render_artifact
-from precompile_gen.trace import check_arguments, function_name, trace
+from precompile_gen.capturing.lower import lower
+from precompile_gen.capturing.trace import check_arguments, function_name, trace
+from precompile_gen.codegen.render import render_artifact
+from precompile_gen.runtime import kernel_binaries
+from precompile_gen.runtime.cache import build_cache, check_key
+from precompile_gen.runtime.files import check_pair_paths, write_pair
+from precompile_gen.tools import timings
 
 
 def capture(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from precompile_gen.errors import PrecompileValueError
+from precompile_gen.runtime.errors import PrecompileValueError
 
 Backend = Literal["eager", "inductor"]
 BACKENDS: tuple[Backend, ...] = ("inductor", "eager")

@@ -38,13 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from precompile_gen import dtensors
 from precompile_gen.api import precompile
-from precompile_gen.cache import check_key, code_hash
 from precompile_gen.capture_result import check_backend
-from precompile_gen.errors import PrecompileError
-from precompile_gen.files import write_pair
-from precompile_gen.load import load
+from precompile_gen.capturing import dtensors
+from precompile_gen.runtime.cache import check_key, code_hash
+from precompile_gen.runtime.errors import PrecompileError
+from precompile_gen.runtime.files import write_pair
+from precompile_gen.runtime.load import load
 
 # Header kinds.
 PAIR, FILES, FAILED = 0, 1, 2

@@ -24,22 +24,22 @@ from pathlib import Path
 import pytest
 from test_golden import full_artifact
 
-from precompile_gen import kernel_binaries
-from precompile_gen.cache import build_cache
 from precompile_gen.capture_result import InputLeaf
-from precompile_gen.cli import main
-from precompile_gen.diff import diff_artifacts
-from precompile_gen.inspection import (
+from precompile_gen.codegen.render import render_artifact
+from precompile_gen.codegen.sections import sections_by_key
+from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.runtime import kernel_binaries
+from precompile_gen.runtime.cache import build_cache
+from precompile_gen.runtime.load import parse_artifact
+from precompile_gen.tools.cli import main
+from precompile_gen.tools.diff import diff_artifacts
+from precompile_gen.tools.inspection import (
     find_kernels,
     format_report,
     inspect_artifact,
     section_statements,
 )
-from precompile_gen.load import parse_artifact
-from precompile_gen.progress import Progress
-from precompile_gen.render import render_artifact
-from precompile_gen.sections import sections_by_key
-from precompile_gen.stubs import stub_capture
+from precompile_gen.tools.progress import Progress
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = REPO_ROOT / "tests" / "golden"

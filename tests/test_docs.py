@@ -13,8 +13,8 @@ import sys
 import types
 from pathlib import Path
 
-from precompile_gen.inspection import format_report, inspect_artifact
-from precompile_gen.render import compose_runtime, render_artifact
+from precompile_gen.codegen.render import compose_runtime, render_artifact
+from precompile_gen.tools.inspection import format_report, inspect_artifact
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = REPO_ROOT / "tests" / "golden"

@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import precompile_gen as pg
 from precompile_gen.distributed import precompile_once
-from precompile_gen.inspection import format_report, inspect_artifact
+from precompile_gen.tools.inspection import format_report, inspect_artifact
 
 WORLD_SIZE = 2
 SHARDED = Shard(0)

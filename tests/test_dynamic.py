@@ -19,7 +19,7 @@ from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 
 import precompile_gen as pg
-from precompile_gen.trace import trace
+from precompile_gen.capturing.trace import trace
 
 
 def make_mlp(seed: int) -> nn.Sequential:

@@ -28,8 +28,8 @@ from linear_step import example_input, linear_model, train_step
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen import files
-from precompile_gen.cache import build_cache
+from precompile_gen.runtime import files
+from precompile_gen.runtime.cache import build_cache
 
 
 def relu_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -342,8 +342,8 @@ def load(name, path):
     spec.loader.exec_module(module)
     return module
 
-load("precompile_gen.errors", sys.argv[1].replace("files.py", "errors.py"))
-files = load("precompile_gen.files", sys.argv[1])
+load("precompile_gen.runtime.errors", sys.argv[1].replace("files.py", "errors.py"))
+files = load("precompile_gen.runtime.files", sys.argv[1])
 artifact, cache, sources = sys.argv[2], sys.argv[3], sys.argv[4:]
 pairs = []
 for code, data in zip(sources[::2], sources[1::2]):
@@ -374,7 +374,7 @@ def _pair_write_seconds(pairs: list[Pair], folder: Path) -> float:
 def test_a_writer_killed_at_random_moments_never_leaves_a_torn_pair(
     pairs: list[Pair], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    spec = importlib.util.find_spec("precompile_gen.files")
+    spec = importlib.util.find_spec("precompile_gen.runtime.files")
     assert spec is not None and spec.origin is not None
     sources: list[str] = []
     for i, pair in enumerate(pairs):

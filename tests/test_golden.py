@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen import inductor_imports, render
 from precompile_gen.capture_result import (
     BACKENDS,
     Backend,
@@ -41,8 +40,9 @@ from precompile_gen.capture_result import (
     ModuleArgument,
     StateTensor,
 )
-from precompile_gen.sections import Section, sections_by_key
-from precompile_gen.stubs import STUBS
+from precompile_gen.codegen import inductor_imports, render
+from precompile_gen.codegen.sections import Section, sections_by_key
+from precompile_gen.codegen.stubs import STUBS
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 FIXTURE_DIR = Path(__file__).parent / "fixtures"

@@ -19,7 +19,7 @@ from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.inspection import inspect_artifact
+from precompile_gen.tools.inspection import inspect_artifact
 
 Step = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.graph_names import argument_names
-from precompile_gen.inspection import inspect_artifact
-from precompile_gen.stubs import stub_capture
+from precompile_gen.capturing.graph_names import argument_names
+from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.tools.inspection import inspect_artifact
 
 
 def _mlp() -> nn.Sequential:

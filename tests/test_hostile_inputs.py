@@ -32,16 +32,16 @@ from hypothesis import strategies as st
 from linear_step import example_input, linear_model, train_step
 
 import precompile_gen as pg
-from precompile_gen import kernel_binaries
-from precompile_gen.cache import (
+from precompile_gen.capture_result import BACKENDS, METADATA_NAMES
+from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.runtime import kernel_binaries
+from precompile_gen.runtime.cache import (
     CACHE_FORMAT,
     CACHE_VERSION,
     build_cache,
     read_cache,
     signature,
 )
-from precompile_gen.capture_result import BACKENDS, METADATA_NAMES
-from precompile_gen.stubs import stub_capture
 
 # Mutated artifacts are compiled; their escape sequences and torch's notes about
 # odd pickle protocols are expected noise here.
@@ -204,7 +204,7 @@ def code_parsed_once(
     """For properties about the cache: load parses the subject's unchanged code once
     (parsing is most of a load's time, and is fuzzed on its own above)."""
     # The package's ``load`` attribute is the function; this is its module.
-    load_module = importlib.import_module("precompile_gen.load")
+    load_module = importlib.import_module("precompile_gen.runtime.load")
     real = load_module.parse_metadata
     parsed = real(subject.code)
 

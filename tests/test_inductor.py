@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.stubs import stub_capture
+from precompile_gen.codegen.stubs import stub_capture
 
 
 def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

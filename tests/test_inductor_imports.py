@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import precompile_gen as pg
-from precompile_gen import inductor_imports
+from precompile_gen.codegen import inductor_imports
 
 # As Inductor writes it with config.triton.autotune_at_compile_time: code in a string.
 _AUTOTUNING_BLOCK = (
@@ -109,7 +109,7 @@ def test_a_module_without_kernels_is_left_alone() -> None:
 def test_the_stand_in_for_assert_tensor_metadata_checks_as_inductors_does() -> None:
     from torch._inductor.runtime.runtime_utils import assert_tensor_metadata
 
-    from precompile_gen.stubs import stub_capture
+    from precompile_gen.codegen.stubs import stub_capture
 
     namespace: dict[str, object] = {}
     exec(pg.render_artifact(stub_capture("inductor")), namespace)

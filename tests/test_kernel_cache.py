@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen import kernel_binaries
+from precompile_gen.runtime import kernel_binaries
 
 
 def _model() -> nn.Module:
@@ -661,7 +661,7 @@ def test_a_binary_the_artifact_pins_is_loaded(
 def _cache_with(
     code: str, payload: dict[str, object], key: bytes | None = None
 ) -> bytes:
-    from precompile_gen.cache import build_cache
+    from precompile_gen.runtime.cache import build_cache
 
     return build_cache(code, "inductor", payload, key=key)
 

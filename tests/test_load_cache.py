@@ -26,9 +26,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.cache import CACHE_FORMAT, CACHE_VERSION, build_cache
 from precompile_gen.capture_result import Backend, metadata_constants
-from precompile_gen.stubs import stub_capture
+from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.runtime.cache import CACHE_FORMAT, CACHE_VERSION, build_cache
 
 
 class Net(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 import precompile_gen as pg
-from precompile_gen.inspection import format_report, inspect_artifact
+from precompile_gen.tools.inspection import format_report, inspect_artifact
 from tests.state_snapshot import StateSnapshot
 
 
@@ -100,7 +100,9 @@ def test_hooks_are_recorded_in_the_metadata(caplog: pytest.LogCaptureFixture) ->
     assert report["modules"][0]["hooks"] == 3
     assert "hooks" in format_report(report)
     # Capture says that the artifact never calls the hooks themselves.
-    (warning,) = [r for r in caplog.records if r.name == "precompile_gen.trace"]
+    (warning,) = [
+        r for r in caplog.records if r.name == "precompile_gen.capturing.trace"
+    ]
     assert "anything else they do (recording, logging) happens only now" in (
         warning.getMessage()
     )
@@ -111,7 +113,7 @@ def test_a_capture_without_hooks_says_nothing_of_them(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     pg.capture(predict, make_mlp(), example(), backend="eager")
-    assert not [r for r in caplog.records if r.name == "precompile_gen.trace"]
+    assert not [r for r in caplog.records if r.name == "precompile_gen.capturing.trace"]
 
 
 def test_the_traced_hooks_run_as_in_eager(hooked: Callable[..., object]) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.inspection import format_report, inspect_artifact
+from precompile_gen.tools.inspection import format_report, inspect_artifact
 from tests.state_snapshot import StateSnapshot, assert_same_state
 
 STEPS = 3

@@ -23,13 +23,13 @@ from precompile_gen.capture_result import (
     StateTensor,
     metadata_constants,
 )
-from precompile_gen.render import (
+from precompile_gen.codegen.render import (
     GRAPH_MARKER,
     assignment,
     format_python,
     render_skeleton,
 )
-from precompile_gen.stubs import stub_capture
+from precompile_gen.codegen.stubs import stub_capture
 
 
 def large_capture(backend: Backend) -> pg.CaptureResult:
@@ -162,7 +162,7 @@ def test_render_does_not_run_black() -> None:
         """
         import sys
         import precompile_gen
-        from precompile_gen.stubs import stub_capture
+        from precompile_gen.codegen.stubs import stub_capture
 
         precompile_gen.render_artifact(stub_capture("eager"))
         precompile_gen.render_artifact(stub_capture("inductor"))

@@ -20,10 +20,10 @@ from linear_step import example_input, linear_model, train_step
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen import cache as cache_module
-from precompile_gen import kernel_binaries
-from precompile_gen.cache import build_cache, signature
-from precompile_gen.stubs import stub_capture
+from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.runtime import cache as cache_module
+from precompile_gen.runtime import kernel_binaries
+from precompile_gen.runtime.cache import build_cache, signature
 
 KEY = b"precompile_gen test key"
 OTHER_KEY = b"another key"

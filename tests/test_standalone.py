@@ -25,7 +25,7 @@ from precompile_gen.capture_result import (
     StateTensor,
     metadata_constants,
 )
-from precompile_gen.stubs import stub_capture
+from precompile_gen.codegen.stubs import stub_capture
 
 # Executed both here and in the child processes, so both sides build the same model
 # and batch from the same seeds.
@@ -144,7 +144,7 @@ DETERMINISM_RUNNER = textwrap.dedent(
     import sys
 
     import precompile_gen as pg
-    from precompile_gen.stubs import stub_capture
+    from precompile_gen.codegen.stubs import stub_capture
 
     # This test module, for the same model source and hand-built capture.
     sys.path.insert(0, sys.argv[1])

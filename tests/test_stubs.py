@@ -8,15 +8,15 @@ import sys
 from pathlib import Path
 
 from precompile_gen.capture_result import BACKENDS
-from precompile_gen.cli import main
-from precompile_gen.render import (
+from precompile_gen.codegen.render import (
     RUNTIME_PARTS,
     DriverFeatures,
     driver_features,
     environment,
     format_python,
 )
-from precompile_gen.stubs import STUBS
+from precompile_gen.codegen.stubs import STUBS
+from precompile_gen.tools.cli import main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

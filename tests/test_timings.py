@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen import timings
+from precompile_gen.tools import timings
 
 
 def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "precompile_gen.timings"]
+    return [r for r in caplog.records if r.name == "precompile_gen.tools.timings"]
 
 
 def test_precompile_logs_its_stages(caplog: pytest.LogCaptureFixture) -> None:

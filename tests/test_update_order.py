@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import precompile_gen as pg
-from precompile_gen import update_order
+from precompile_gen.capturing import update_order
 
 Step = Callable[..., object]
 

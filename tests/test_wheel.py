@@ -18,7 +18,7 @@ from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.capture_result import Backend
-from precompile_gen.stubs import stub_capture
+from precompile_gen.codegen.stubs import stub_capture
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,8 +34,8 @@ INSTALLED_RUNNER = textwrap.dedent(
     from torch import nn
 
     import precompile_gen as pg
-    import precompile_gen.render
-    from precompile_gen.stubs import stub_capture
+    import precompile_gen.codegen.render
+    from precompile_gen.codegen.stubs import stub_capture
 
     out = Path(sys.argv[1])
     for backend in ("eager", "inductor"):
@@ -55,7 +55,7 @@ INSTALLED_RUNNER = textwrap.dedent(
     torch.testing.assert_close(pg.load(code, cache)(model, x), predict(model, x))
     report = {
         "file": pg.__file__,
-        "template_dir": str(precompile_gen.render.template_dir()),
+        "template_dir": str(precompile_gen.codegen.render.template_dir()),
         "sys_path": sys.path,
     }
     (out / "report.json").write_text(json.dumps(report), encoding="utf-8")

@@ -18,14 +18,14 @@ import ast
 import sys
 from pathlib import Path
 
-from precompile_gen.inspection import (
+from precompile_gen.codegen.sections import Section, sections_by_key
+from precompile_gen.runtime.load import parse_artifact
+from precompile_gen.tools.inspection import (
     find_kernels,
     format_report,
     inspect_artifact,
     section_statements,
 )
-from precompile_gen.load import parse_artifact
-from precompile_gen.sections import Section, sections_by_key
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = Path("docs") / "gallery.md"

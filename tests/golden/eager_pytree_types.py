@@ -181,7 +181,7 @@ def _fail(message: str) -> NoReturn:
     # can catch its PrecompileError; the artifact never depends on it to run.
     error_type: type[RuntimeError]
     try:
-        from precompile_gen.errors import PrecompileError as error_type
+        from precompile_gen import PrecompileError as error_type
     except ImportError:
         error_type = PrecompileError
     raise error_type(message)

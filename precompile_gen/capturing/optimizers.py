@@ -30,7 +30,7 @@ from precompile_gen.capture_result import (
     OptimizerStateTensor,
     ParamGroup,
 )
-from precompile_gen.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError
 
 SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,

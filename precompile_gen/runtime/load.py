@@ -12,10 +12,10 @@ import logging
 import os
 from collections.abc import Callable
 
-from precompile_gen import kernel_binaries
-from precompile_gen.cache import check_key, code_hash, read_cache
 from precompile_gen.capture_result import BACKENDS, METADATA_NAMES, OPTIONAL_METADATA
-from precompile_gen.errors import PrecompileError
+from precompile_gen.runtime import kernel_binaries
+from precompile_gen.runtime.cache import check_key, code_hash, read_cache
+from precompile_gen.runtime.errors import PrecompileError
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from torch.fx.experimental import proxy_tensor
 from torch.overrides import TorchFunctionMode
 
-from precompile_gen.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError
 
 # Frames in these folders are library code (torch, this package, the standard
 # library but its site-packages); the user's code is every other frame.
 _LIBRARY_DIRS = (
     str(Path(torch.__file__).parent) + "/",
-    str(Path(__file__).parent) + "/",
+    str(Path(__file__).parents[1]) + "/",
 )
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + "/"
 _SITE_DIR = sysconfig.get_paths()["purelib"] + "/"

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precompile_gen.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError
 
 _MB = 1024 * 1024
 

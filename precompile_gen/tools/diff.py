@@ -18,13 +18,13 @@ import difflib
 import hashlib
 from dataclasses import dataclass
 
-from precompile_gen.inspection import (
+from precompile_gen.codegen.sections import Section, split_sections
+from precompile_gen.runtime.load import parse_artifact
+from precompile_gen.tools.inspection import (
     find_kernels,
     kernel_summary,
     section_statements,
 )
-from precompile_gen.load import parse_artifact
-from precompile_gen.sections import Section, split_sections
 
 # A constant whose value is not a literal still gets compared, by its source text.
 _NOT_LITERAL = "<not a literal: {}>"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from precompile_gen.errors import PrecompileError, describe_untrusted
+from precompile_gen.runtime.errors import PrecompileError, describe_untrusted
 
 log = logging.getLogger(__name__)
 

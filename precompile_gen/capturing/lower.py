@@ -12,7 +12,6 @@ import re
 import torch
 import torch.utils._pytree as pytree
 
-from precompile_gen import inductor_imports, kernel_binaries, timings
 from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
@@ -20,8 +19,11 @@ from precompile_gen.capture_result import (
     StateTensor,
     TensorLiteral,
 )
-from precompile_gen.errors import PrecompileError
-from precompile_gen.trace import TracedGraph
+from precompile_gen.capturing.trace import TracedGraph
+from precompile_gen.codegen import inductor_imports
+from precompile_gen.runtime import kernel_binaries
+from precompile_gen.runtime.errors import PrecompileError
+from precompile_gen.tools import timings
 
 # Inductor lowering swaps process-global compiler state; one lowering at a time, and
 # not while a load executes an inductor artifact under a patched config.

@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from precompile_gen.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError
 
 # Temporary files are hidden and named after their target; one left behind by a
 # killed writer is never read, and may be deleted at any time.

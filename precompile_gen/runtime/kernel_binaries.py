@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from precompile_gen.errors import PrecompileError, describe_untrusted
+from precompile_gen.runtime.errors import PrecompileError, describe_untrusted
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from precompile_gen import convention
 from precompile_gen.capture_result import DeferredStep, SparseGradients
-from precompile_gen.errors import PrecompileError
+from precompile_gen.codegen import convention
+from precompile_gen.runtime.errors import PrecompileError
 
 _SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 # Optimizers whose step takes sparse gradients in eager: SGD's (with or without
@@ -417,7 +417,7 @@ def _reject_sparse_values(graph: torch.fx.Graph, module: str) -> None:
 
 
 def _tail_source(tail: _Tail, roots: list[torch.fx.Node]) -> str:
-    from precompile_gen.render import format_python
+    from precompile_gen.codegen.render import format_python
 
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}

@@ -15,8 +15,8 @@ from typing import cast
 
 import torch
 
-from precompile_gen import dtensors
 from precompile_gen.capture_result import AliasGroup
+from precompile_gen.capturing import dtensors
 
 
 def _is_plain_tensor(value: object) -> bool:

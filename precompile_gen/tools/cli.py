@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from precompile_gen.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError
 
 _EPILOG = """\
 examples:
@@ -82,7 +82,7 @@ class CommandError(Exception):
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from precompile_gen import demo
+    from precompile_gen.tools import demo
 
     report = demo.run(args.backend, Path(args.out))
     sys.stdout.write(demo.format_report(report))
@@ -90,7 +90,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from precompile_gen.inspection import format_report, inspect_artifact
+    from precompile_gen.tools.inspection import format_report, inspect_artifact
 
     text = _read_artifact(args.artifact)
     try:
@@ -111,7 +111,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from precompile_gen.verify import format_report, verify_pair
+    from precompile_gen.tools.verify import format_report, verify_pair
 
     text = _read_artifact(args.artifact)
     cache = _read_bytes(args.cache, "cache")
@@ -121,7 +121,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from precompile_gen.diff import diff_artifacts
+    from precompile_gen.tools.diff import diff_artifacts
 
     text, differs = diff_artifacts(
         _read_artifact(args.a),
@@ -136,7 +136,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _stubs(args: argparse.Namespace) -> int:
-    from precompile_gen.stubs import write_stubs
+    from precompile_gen.codegen.stubs import write_stubs
 
     for path in write_stubs(Path(args.out_dir)):
         print(path)

@@ -27,21 +27,6 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from precompile_gen import (
-    aliasing,
-    convention,
-    data_dependent,
-    data_parallel,
-    dtensors,
-    dynamic_dims,
-    grad_resets,
-    graph_names,
-    optimizers,
-    python_state,
-    pytree_types,
-    sparse_gradients,
-    update_order,
-)
 from precompile_gen.capture_result import (
     AliasGroup,
     Backend,
@@ -58,7 +43,22 @@ from precompile_gen.capture_result import (
     SparseGradients,
     check_backend,
 )
-from precompile_gen.errors import (
+from precompile_gen.capturing import (
+    aliasing,
+    data_dependent,
+    data_parallel,
+    dtensors,
+    dynamic_dims,
+    grad_resets,
+    graph_names,
+    optimizers,
+    python_state,
+    pytree_types,
+    sparse_gradients,
+    update_order,
+)
+from precompile_gen.codegen import convention
+from precompile_gen.runtime.errors import (
     PrecompileError,
     PrecompileNotImplementedError,
     PrecompileValueError,

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from precompile_gen import kernel_binaries
-from precompile_gen.cache import check_envelope, check_key, code_hash, read_envelope
-from precompile_gen.errors import PrecompileError
-from precompile_gen.inspection import find_kernels, source_digest
-from precompile_gen.load import parse_artifact, parse_metadata
+from precompile_gen.runtime import kernel_binaries
+from precompile_gen.runtime.cache import (
+    check_envelope,
+    check_key,
+    code_hash,
+    read_envelope,
+)
+from precompile_gen.runtime.errors import PrecompileError
+from precompile_gen.runtime.load import parse_artifact, parse_metadata
+from precompile_gen.tools.inspection import find_kernels, source_digest
 
 
 def verify_pair(

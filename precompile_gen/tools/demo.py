@@ -2,9 +2,9 @@
 backward and AdamW's update), reload it in a fresh process and check two steps with a
 learning-rate schedule against eager PyTorch.
 
-Run ``precompile-gen demo``. The reload half runs as ``python -m precompile_gen.demo
-DIR`` so that nothing from the precompiling process (compiled kernels, imported
-modules) can help it.
+Run ``precompile-gen demo``. The reload half runs as
+``python -m precompile_gen.tools.demo DIR`` so that nothing from the precompiling
+process (compiled kernels, imported modules) can help it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from precompile_gen import timings
-from precompile_gen.progress import Progress
+from precompile_gen.tools import timings
+from precompile_gen.tools.progress import Progress
 
 ARTIFACT_NAME = "train_step.py"
 CACHE_NAME = "train_step.cache"
@@ -124,7 +124,7 @@ def run(
     with progress.stage("reloading in a fresh process and comparing with eager"):
         start = time.perf_counter()
         checked = subprocess.run(
-            [sys.executable, "-m", "precompile_gen.demo", str(out_dir)],
+            [sys.executable, "-m", "precompile_gen.tools.demo", str(out_dir)],
             capture_output=True,
             text=True,
             check=False,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from precompile_gen.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError
 
 _RULE = re.compile(r"# ={20,}")
 _TITLE = re.compile(r"# (\d+)\. (\S.*)")

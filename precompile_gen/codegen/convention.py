@@ -28,7 +28,11 @@ from torch.utils import _pytree as pytree
 
 @functools.cache
 def _driver_code() -> dict[str, Any]:
-    from precompile_gen.render import RUNTIME_SUPPORT, environment, runtime_support
+    from precompile_gen.codegen.render import (
+        RUNTIME_SUPPORT,
+        environment,
+        runtime_support,
+    )
 
     macros = environment().get_template("driver/convention.py.j2").module
     names = (

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import jinja2
 
-from precompile_gen import inductor_imports
 from precompile_gen.capture_result import (
     CaptureResult,
     InputLeaf,
     StateTensor,
     metadata_constants,
 )
+from precompile_gen.codegen import inductor_imports
 
 # A comment line, which black leaves alone at module level; replaced by the graph.
 GRAPH_MARKER = "# <precompile_gen: compiled graph>"
@@ -43,10 +43,11 @@ BLACK_LINE_LENGTH = 88
 
 def template_dir() -> Path:
     """Where the templates are: inside an installed wheel, or at the source root."""
-    packaged = Path(__file__).parent / "templates"
+    package = Path(__file__).parents[1]
+    packaged = package / "templates"
     if packaged.is_dir():
         return packaged
-    return Path(__file__).parent.parent / "templates"
+    return package.parent / "templates"
 
 
 # The code every artifact of this version carries verbatim, as its last section: plain

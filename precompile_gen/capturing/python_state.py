@@ -33,9 +33,10 @@ from typing import Any, cast
 
 import torch
 
-from precompile_gen import convention, data_dependent, data_parallel, graph_names
 from precompile_gen.capture_result import PythonValue
-from precompile_gen.errors import PrecompileError
+from precompile_gen.capturing import data_dependent, data_parallel, graph_names
+from precompile_gen.codegen import convention
+from precompile_gen.runtime.errors import PrecompileError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ _LIBRARY_MODULES = ("torch", "precompile_gen")
 # state of their own, set and reset within a call), not refused.
 _LIBRARY_FILES = tuple(
     str(module.__file__).rsplit("/", 1)[0] + "/"
-    for module in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
+    for module in (torch, sys.modules[__name__.split(".", 1)[0]])
 ) + tuple(
     sorted(
         {

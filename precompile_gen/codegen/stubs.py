@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from precompile_gen import inductor_imports
 from precompile_gen.capture_result import (
     BACKENDS,
     Backend,
@@ -33,7 +32,8 @@ from precompile_gen.capture_result import (
     StateTensor,
     TensorLiteral,
 )
-from precompile_gen.render import format_python, render_artifact
+from precompile_gen.codegen import inductor_imports
+from precompile_gen.codegen.render import format_python, render_artifact
 
 # Typed stand-ins for the spliced graph, which is the only part not from a template.
 _GRAPH_STUBS: dict[Backend, str] = {

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from precompile_gen import convention
-from precompile_gen.errors import PrecompileError
+from precompile_gen.codegen import convention
+from precompile_gen.runtime.errors import PrecompileError
 
 
 def record(

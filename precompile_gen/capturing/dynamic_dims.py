@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from precompile_gen.capture_result import Backend, DimBounds
-from precompile_gen.errors import PrecompileError, PrecompileNotImplementedError
+from precompile_gen.runtime.errors import PrecompileError, PrecompileNotImplementedError
 
 
 @dataclass(frozen=True)
@@ -329,7 +329,7 @@ def _user_frame(error: BaseException) -> str | None:
     torch, the standard library and this package."""
     library = (
         str(Path(torch.__file__).parent),
-        str(Path(__file__).parent),
+        str(Path(__file__).parents[1]),
         sysconfig.get_paths()["stdlib"],
     )
     frames = [

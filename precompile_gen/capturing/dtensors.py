@@ -31,9 +31,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from precompile_gen import convention, data_dependent
 from precompile_gen.capture_result import DTensorLayout, ShardInput, ShardOutput
-from precompile_gen.errors import PrecompileError
+from precompile_gen.capturing import data_dependent
+from precompile_gen.codegen import convention
+from precompile_gen.runtime.errors import PrecompileError
 
 
 def _dtensor_class() -> type | None:
