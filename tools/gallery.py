@@ -55,14 +55,26 @@ def render_page(root: Path = ROOT) -> str:
 
 def render_gallery(root: Path = ROOT) -> str:
     """The gallery's Markdown, without the page's title."""
-    eager = (root / EAGER).read_text(encoding="utf-8")
-    inductor = (root / INDUCTOR).read_text(encoding="utf-8")
     parts = [
         # The excerpts are verbatim artifact text; ruff formats Python blocks in
         # Markdown unless told not to.
         "<!-- fmt: off -->",
         "Excerpts of real artifacts; `# ...` marks omitted lines. The complete files",
         "are in `tests/golden/`.",
+        *_backend_excerpts(root),
+        *_optimizer_excerpt(root),
+        *_whole_driver(root),
+        *_inspect_reports(root),
+        "<!-- fmt: on -->",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def _backend_excerpts(root: Path) -> list[str]:
+    """One artifact per backend: its graph, metadata and entry point."""
+    eager = (root / EAGER).read_text(encoding="utf-8")
+    inductor = (root / INDUCTOR).read_text(encoding="utf-8")
+    return [
         "",
         f"**Eager backend**, a training step (`{EAGER}`): the captured ATen graph,",
         "the start of the metadata, and the driver's entry point.",
@@ -79,8 +91,12 @@ def render_gallery(root: Path = ROOT) -> str:
         _excerpt(inductor, _inductor_spans(inductor)),
         "```",
     ]
+
+
+def _optimizer_excerpt(root: Path) -> list[str]:
+    """The whole training step: the optimizer's update inside the graph."""
     optimizer = (root / OPTIMIZER).read_text(encoding="utf-8")
-    parts += [
+    return [
         "",
         f"**The whole training step** (`{OPTIMIZER}`): `SGD(momentum=0.9)`'s",
         "update at the end of the captured graph, writing the parameters and the",
@@ -91,10 +107,14 @@ def render_gallery(root: Path = ROOT) -> str:
         _excerpt(optimizer, _optimizer_spans(optimizer)),
         "```",
     ]
+
+
+def _whole_driver(root: Path) -> list[str]:
+    """The driver section of an inference capture, shown whole."""
     specialised = (root / SPECIALISED).read_text(encoding="utf-8")
     driver = sections_by_key(specialised)["driver"]
     lines = specialised.splitlines()[driver.first_line - 1 : driver.last_line]
-    parts += [
+    return [
         "",
         "**A whole driver**: inference on one module and one tensor",
         f"(`{SPECIALISED}`, section 3, {len(lines)} lines). It is generated for this",
@@ -109,6 +129,11 @@ def render_gallery(root: Path = ROOT) -> str:
         "\n".join(lines).rstrip("\n"),
         "```",
     ]
+
+
+def _inspect_reports(root: Path) -> list[str]:
+    """`precompile-gen inspect`'s report of each inspected golden."""
+    parts: list[str] = []
     for path in INSPECTED:
         text = (root / path).read_text(encoding="utf-8")
         parts += [
@@ -119,8 +144,7 @@ def render_gallery(root: Path = ROOT) -> str:
             format_report(inspect_artifact(text, path)).rstrip("\n"),
             "```",
         ]
-    parts.append("<!-- fmt: on -->")
-    return "\n".join(parts) + "\n"
+    return parts
 
 
 def _eager_spans(text: str) -> list[Span]:
