@@ -334,6 +334,7 @@ class _ModuleModes:
 
 
 def _read_module_modes(modules: list[torch.nn.Module]) -> _ModuleModes:
+    """The modes and hooks of ``modules``, warning of the hooks (``_warn_of_hooks``)."""
     submodules = [list(module.named_modules()) for module in modules]
     modes = _ModuleModes(
         submodules=submodules,
@@ -358,6 +359,8 @@ class _LiftedState:
 
 
 def _lift_state(call: _Arguments, example_inputs: tuple[object, ...]) -> _LiftedState:
+    """Lift the module arguments' state, then the optimizers' state (which must be
+    that of lifted parameters)."""
     state = lift_module_state(call.modules)
     params = state.tensors[: state.num_params]
     sparse_names = sparse_gradients.sparse_params(call.modules, params)
@@ -393,6 +396,8 @@ class _UserLeaves:
 def _flatten_user_inputs(
     call: _Arguments, state: ModuleState, backend: Backend
 ) -> _UserLeaves:
+    """Flatten the user inputs, refusing a module among them and the dim marks the
+    artifact cannot honour."""
     # Before flattening: a dataclass is opened once registered.
     input_types = [
         path
@@ -440,11 +445,14 @@ class _GraphInputs:
 def _graph_inputs(
     lifted: _LiftedState, user: _UserLeaves, backend: Backend
 ) -> _GraphInputs:
+    """Lay out the graph inputs, refusing the combinations of aliasing, DTensors,
+    dim marks and optimizers the trace cannot hold."""
     state = lifted.state
     aliased_inputs = _aliased_inputs(state, user)
     dtensor_layouts = dtensors.layouts([*state.tensors, *user.leaves])
-    # Inductor gets the graph traced again on the local shards (below), which a
-    # symbolic trace's fakes cannot give: refused before the trace costs anything.
+    # Inductor gets the graph traced again on the local shards after the trace,
+    # which a symbolic trace's fakes cannot give: refused before the trace costs
+    # anything.
     if backend == "inductor" and dtensor_layouts and user.symbolic is not None:
         raise PrecompileError(
             "mark_unbacked dims and DTensors cannot be captured together on the "
@@ -472,6 +480,8 @@ def _graph_inputs(
 
 
 def _aliased_inputs(state: ModuleState, user: _UserLeaves) -> list[AliasGroup]:
+    """The module state and input leaves that share a storage; a DTensor among them
+    is refused."""
     flat = [*state.tensors, *user.leaves]
     aliased_inputs = aliasing.alias_groups(flat)
     dtensors.reject_aliasing(
@@ -499,7 +509,8 @@ def _tensors_to_trace(
     state = lifted.state
     if user.symbolic is None:
         flat_args = aliasing.copies_for_trace([*state.tensors, *user.leaves])
-        return [*flat_args, *optimizer_inputs]
+        flat_args += optimizer_inputs
+        return flat_args
     if lifted.optimizers:
         raise PrecompileError(
             "an optimizer argument cannot be captured together with mark_unbacked "
