@@ -8,6 +8,7 @@ epilogue), whose compiled binaries go into the cache.
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -16,6 +17,7 @@ from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
     CompiledGraph,
+    OptimizerArgument,
     StateTensor,
     TensorLiteral,
 )
@@ -31,50 +33,15 @@ _INDUCTOR_LOCK = kernel_binaries.TORCH_STATE_LOCK
 
 
 def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
+    """The capture as plain data: the graph as source text, and each graph input's
+    strides where the graph depends on them."""
     out_spec = _dump_out_spec(traced.out_spec)
-    try:
-        in_spec: str | None = pytree.treespec_dumps(traced.in_spec)
-    except (NotImplementedError, TypeError):
-        # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
-        in_spec = None
-    if backend == "eager":
-        graph_source, graph_imports, branches = _eager_graph(
-            traced.gm, traced.input_names
-        )
-        cache_artifact, kernel_sources, rewritten_imports = None, {}, []
-        positional_names: list[str] = []
-    else:
-        graph_source, cache_artifact, kernel_sources = _inductor_graph(traced)
-        graph_source, rewritten_imports = _rewrite_imports(graph_source)
-        graph_imports, branches = [], []
-        positional_names = _positional_names(graph_source, traced)
+    in_spec = _dump_in_spec(traced.in_spec)
+    graph = _lower_graph(traced, backend)
+    strides = _input_strides(traced, backend, graph.source)
     state = traced.state
-    # One per graph input before the lrs: the module state, the input leaves, then
-    # the optimizers' state.
-    strides: list[tuple[int, ...] | None] = [
-        tuple(t.stride()) for t in state.tensors
-    ] + [leaf.stride for leaf in traced.leaves]
-    strides += [t.stride for optimizer in traced.optimizers for t in optimizer.state]
-    if backend == "inductor":
-        strides = _layout_dependent(strides, graph_source, traced)
     num_state = len(state.tensors)
-    optimizer_strides = iter(strides[num_state + len(traced.leaves) :])
-    lifted = [
-        StateTensor(
-            name=name,
-            shape=tuple(tensor.shape),
-            stride=stride,
-            dtype=str(tensor.dtype),
-            device=str(tensor.device),
-            requires_grad=tensor.requires_grad,
-        )
-        for name, tensor, stride in zip(
-            state.param_names + state.buffer_names,
-            state.tensors,
-            strides[:num_state],
-            strict=True,
-        )
-    ]
+    lifted = _state_tensors(traced, strides[:num_state])
     return CaptureResult(
         backend=backend,
         fn_name=traced.fn_name,
@@ -83,14 +50,9 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         modules=traced.modules,
         global_module_hooks=traced.global_module_hooks,
         python_values=traced.python_values,
-        optimizers=[
-            optimizer._replace(
-                state=[
-                    t._replace(stride=next(optimizer_strides)) for t in optimizer.state
-                ]
-            )
-            for optimizer in traced.optimizers
-        ],
+        optimizers=_optimizers_with_strides(
+            traced, strides[num_state + len(traced.leaves) :]
+        ),
         params=lifted[: state.num_params],
         buffers=lifted[state.num_params :],
         grad_param_indices=traced.grad_param_indices,
@@ -120,23 +82,115 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         shard_outputs=traced.shard_outputs,
         pytree_types=traced.pytree_types,
         mutated_inputs=traced.mutated_inputs,
-        graph=CompiledGraph(
-            source=graph_source,
-            tensor_literals=[
-                TensorLiteral(
-                    name, tensor.tolist(), str(tensor.dtype), str(tensor.device)
-                )
-                for name, tensor in traced.constants
-            ],
-            input_names=traced.input_names,
-            imports=graph_imports,
-            branches=branches,
-            rewritten_imports=rewritten_imports,
-            positional_names=positional_names,
-        ),
-        kernel_binaries=kernel_binaries.digests(cache_artifact),
-        kernel_sources=kernel_sources,
+        graph=_compiled_graph(traced, graph),
+        kernel_binaries=kernel_binaries.digests(graph.cache_artifact),
+        kernel_sources=graph.kernel_sources,
+        cache_artifact=graph.cache_artifact,
+    )
+
+
+def _dump_in_spec(in_spec: pytree.TreeSpec) -> str | None:
+    try:
+        return pytree.treespec_dumps(in_spec)
+    except (NotImplementedError, TypeError):
+        # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
+        return None
+
+
+class _LoweredGraph(NamedTuple):
+    """The graph as the artifact's source text, with what the backend made besides:
+    eager's imports and torch.cond branches, Inductor's kernels and rewritten
+    imports."""
+
+    source: str
+    imports: list[str]
+    branches: list[str]
+    cache_artifact: dict[str, object] | None
+    kernel_sources: dict[str, str]
+    rewritten_imports: list[tuple[str, str]]
+    positional_names: list[str]
+
+
+def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
+    if backend == "eager":
+        source, imports, branches = _eager_graph(traced.gm, traced.input_names)
+        return _LoweredGraph(source, imports, branches, None, {}, [], [])
+    source, cache_artifact, kernel_sources = _inductor_graph(traced)
+    source, rewritten_imports = _rewrite_imports(source)
+    return _LoweredGraph(
+        source=source,
+        imports=[],
+        branches=[],
         cache_artifact=cache_artifact,
+        kernel_sources=kernel_sources,
+        rewritten_imports=rewritten_imports,
+        positional_names=_positional_names(source, traced),
+    )
+
+
+def _input_strides(
+    traced: TracedGraph, backend: Backend, graph_source: str
+) -> list[tuple[int, ...] | None]:
+    """One per graph input before the lrs: the module state, the input leaves, then
+    the optimizers' state; on inductor, only where the compiled graph depends on
+    them."""
+    strides: list[tuple[int, ...] | None] = [
+        tuple(t.stride()) for t in traced.state.tensors
+    ] + [leaf.stride for leaf in traced.leaves]
+    strides += [t.stride for optimizer in traced.optimizers for t in optimizer.state]
+    if backend == "inductor":
+        strides = _layout_dependent(strides, graph_source, traced)
+    return strides
+
+
+def _state_tensors(
+    traced: TracedGraph, strides: list[tuple[int, ...] | None]
+) -> list[StateTensor]:
+    """The module state, parameters then buffers, as the driver checks it."""
+    state = traced.state
+    return [
+        StateTensor(
+            name=name,
+            shape=tuple(tensor.shape),
+            stride=stride,
+            dtype=str(tensor.dtype),
+            device=str(tensor.device),
+            requires_grad=tensor.requires_grad,
+        )
+        for name, tensor, stride in zip(
+            state.param_names + state.buffer_names,
+            state.tensors,
+            strides,
+            strict=True,
+        )
+    ]
+
+
+def _optimizers_with_strides(
+    traced: TracedGraph, strides: list[tuple[int, ...] | None]
+) -> list[OptimizerArgument]:
+    """The optimizer arguments, their state tensors given ``strides`` in order."""
+    optimizer_strides = iter(strides)
+    return [
+        optimizer._replace(
+            state=[t._replace(stride=next(optimizer_strides)) for t in optimizer.state]
+        )
+        for optimizer in traced.optimizers
+    ]
+
+
+def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
+    return CompiledGraph(
+        source=graph.source,
+        tensor_literals=[
+            TensorLiteral(name, tensor.tolist(), str(tensor.dtype), str(tensor.device))
+            for name, tensor in traced.constants
+        ],
+        input_names=traced.input_names,
+        imports=graph.imports,
+        branches=graph.branches,
+        rewritten_imports=graph.rewritten_imports,
+        positional_names=graph.positional_names,
     )
 
 
@@ -280,26 +334,12 @@ def _rewrite_imports(graph_source: str) -> tuple[str, list[tuple[str, str]]]:
 def _inductor_graph(
     traced: TracedGraph,
 ) -> tuple[str, dict[str, object], dict[str, str]]:
+    """Inductor's module for the graph, with its kernel binaries (the cache) and
+    kernel sources."""
     from torch._functorch import aot_autograd
     from torch._inductor import config as inductor_config
-    from torch._inductor.exc import InductorError
-    from torch._inductor.standalone_compile import NoRunnableInductorModuleError
 
-    # size_asserts bakes every input's layout into assert_size_stride, which the
-    # driver turns into a clear error; the user's ambient config must not remove it.
-    # For a dynamic capture, scalar_asserts keeps the range checks on the unbacked
-    # sizes inside the compiled graph.
-    dynamic = any(
-        leaf.shape is not None and None in leaf.shape for leaf in traced.leaves
-    )
-    # fallback_random draws random numbers (dropout masks) with eager's own ops, in
-    # the graph's order: Inductor's own RNG kernels draw them in the order its
-    # scheduler picks, so a seeded call would not give eager's masks.
-    options = {
-        "size_asserts": True,
-        "scalar_asserts": dynamic,
-        "fallback_random": True,
-    }
+    options = _inductor_options(traced)
     _random_fills_in_eager_layout(traced.gm)
     _scale_before_add(traced.gm)
     try:
@@ -315,36 +355,62 @@ def _inductor_graph(
             )
             with timings.stage("cache"):
                 return graph_source, *kernel_binaries.collect(graph_source)
-    except NoRunnableInductorModuleError as error:
-        raise PrecompileError(
-            "the inductor backend has nothing to compile: the function returns its "
-            "inputs or Python constants unchanged. Return a computed tensor, or use "
-            "backend='eager'."
-        ) from error
-    except InductorError as error:
-        if "Unexpected output types" in str(error):
-            raise PrecompileError(
-                "the inductor backend cannot return a float, complex or str next to "
-                "computed tensors (int, bool and None are fine). Return tensors only, "
-                "or use backend='eager'."
-            ) from error
-        raise PrecompileError(
-            f"the inductor backend failed to compile the captured graph: {error}. "
-            "Try backend='eager' to run the captured graph without compiling it."
-        ) from error
     except PrecompileError:
         raise
     except Exception as error:
-        # AOTAutograd re-traces the captured graph with its own decompositions, and
-        # a layout they disagree on with eager's kernels fails there.
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        raise PrecompileError(
-            "the inductor backend failed to compile the captured graph "
-            f"({type(error).__name__}: {first_line}). Capture with Inductor's own "
-            "decompositions (decompositions=torch._inductor.decomposition."
-            "select_decomp_table()), or use backend='eager' to run the captured "
-            "graph without compiling it."
-        ) from error
+        raise _compile_error(error) from error
+
+
+def _inductor_options(traced: TracedGraph) -> dict[str, bool]:
+    # size_asserts bakes every input's layout into assert_size_stride, which the
+    # driver turns into a clear error; the user's ambient config must not remove it.
+    # For a dynamic capture, scalar_asserts keeps the range checks on the unbacked
+    # sizes inside the compiled graph.
+    dynamic = any(
+        leaf.shape is not None and None in leaf.shape for leaf in traced.leaves
+    )
+    # fallback_random draws random numbers (dropout masks) with eager's own ops, in
+    # the graph's order: Inductor's own RNG kernels draw them in the order its
+    # scheduler picks, so a seeded call would not give eager's masks.
+    return {
+        "size_asserts": True,
+        "scalar_asserts": dynamic,
+        "fallback_random": True,
+    }
+
+
+def _compile_error(error: Exception) -> PrecompileError:
+    """The ``PrecompileError`` for Inductor's failure to compile the graph."""
+    from torch._inductor.exc import InductorError
+    from torch._inductor.standalone_compile import NoRunnableInductorModuleError
+
+    if isinstance(error, NoRunnableInductorModuleError):
+        return PrecompileError(
+            "the inductor backend has nothing to compile: the function returns its "
+            "inputs or Python constants unchanged. Return a computed tensor, or use "
+            "backend='eager'."
+        )
+    if isinstance(error, InductorError):
+        if "Unexpected output types" in str(error):
+            return PrecompileError(
+                "the inductor backend cannot return a float, complex or str next to "
+                "computed tensors (int, bool and None are fine). Return tensors only, "
+                "or use backend='eager'."
+            )
+        return PrecompileError(
+            f"the inductor backend failed to compile the captured graph: {error}. "
+            "Try backend='eager' to run the captured graph without compiling it."
+        )
+    # AOTAutograd re-traces the captured graph with its own decompositions, and
+    # a layout they disagree on with eager's kernels fails there.
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return PrecompileError(
+        "the inductor backend failed to compile the captured graph "
+        f"({type(error).__name__}: {first_line}). Capture with Inductor's own "
+        "decompositions (decompositions=torch._inductor.decomposition."
+        "select_decomp_table()), or use backend='eager' to run the captured "
+        "graph without compiling it."
+    )
 
 
 # ``add(x, y, alpha=a)`` and its in-place form, whose ``alpha`` Inductor's fusion of an

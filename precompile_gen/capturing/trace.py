@@ -19,7 +19,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -208,8 +208,80 @@ def trace(
     decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
-    fn_name = function_name(fn)
+    call = _classify_arguments(fn, example_inputs)
+    # First, on copies: refuses Python effects before the trace would make them.
+    with data_parallel.in_place_as_functional():
+        python_values = python_state.observe(
+            fn, data_parallel.observable(example_inputs)
+        )
+    modes = _read_module_modes(call.modules)
+    lifted = _lift_state(call, example_inputs)
+    user = _flatten_user_inputs(call, lifted.state, backend)
+    inputs = _graph_inputs(lifted, user, backend)
+    harvest = _Harvest()
+    flat_fn = _flat_function(
+        fn, example_inputs, call, modes, lifted, user, inputs, harvest
+    )
+    generators = python_state.torch_generators(call.modules, user.leaves)
+    gm = _make_fx(
+        fn,
+        call.fn_name,
+        flat_fn,
+        inputs.flat_args,
+        user.symbolic,
+        decompositions,
+        harvest.raised_by_fn,
+    )
+    python_state.reject_torch_generators(gm, fn, generators)
+    if user.symbolic is not None:
+        dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
+    updates = _read_updates(gm, call, lifted, inputs, harvest)
+    constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
+    _check_graph_ops(gm)
+    _hoist_updates(gm, lifted.state, inputs)
+    local = None
+    # Optimizer state is a DTensor only where its parameter is.
+    if backend == "inductor" and inputs.dtensor_layouts:
+        local = dtensors.to_local_graph(gm, inputs.flat_args, decompositions)
+    return _record(
+        gm,
+        local,
+        call,
+        modes,
+        python_values,
+        lifted,
+        user,
+        inputs,
+        harvest,
+        updates,
+        constants,
+    )
+
+
+@dataclass
+class _Arguments:
+    """fn's positional arguments by what the trace does with each: module arguments
+    and supported optimizers are lifted to graph inputs, a SparseAdam is left to the
+    driver (no graph input either), and the rest are the user inputs."""
+
+    fn_name: str
     # Messages name each argument by position and by fn's own name for it.
+    argument_names: list[str]
+    module_positions: list[int]
+    modules: list[torch.nn.Module]
+    optimizer_positions: list[int]
+    sparse_steppers: list[tuple[int, torch.optim.Optimizer]]
+    lifted_positions: list[int]
+    user_positions: list[int]
+    user_inputs: tuple[object, ...]
+
+
+def _classify_arguments(
+    fn: Callable[..., object], example_inputs: tuple[object, ...]
+) -> _Arguments:
+    """Sort fn's arguments, refusing the FSDP2 and DDP configurations the artifact
+    cannot keep before anything runs."""
+    fn_name = function_name(fn)
     arguments = graph_names.argument_names(fn, len(example_inputs))
     dtensors.check_capture(example_inputs, arguments)
     module_positions = [
@@ -219,11 +291,6 @@ def trace(
     for position, module in zip(module_positions, modules, strict=True):
         if data_parallel.is_data_parallel(module):
             data_parallel.check_module(module, convention.argument(position, arguments))
-    # First, on copies: refuses Python effects before the trace would make them.
-    with data_parallel.in_place_as_functional():
-        python_values = python_state.observe(
-            fn, data_parallel.observable(example_inputs)
-        )
     optimizer_positions = [
         i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
     ]
@@ -232,51 +299,120 @@ def trace(
         for i, a in enumerate(example_inputs)
         if sparse_gradients.is_sparse_stepper(a)
     ]
-    # A SparseAdam is no graph input either: the driver takes its step.
     lifted_positions = [
         *module_positions,
         *optimizer_positions,
         *(i for i, _ in sparse_steppers),
     ]
-    # Read before tracing: fn may switch modes itself, and the driver checks the
-    # modes a call arrives with.
-    submodules = [list(module.named_modules()) for module in modules]
-    module_training = [[m.training for _, m in named] for named in submodules]
-    # The hooks the trace runs are built into the graph: each call must bring the same.
-    module_hooks = [convention.module_hooks(module) for module in modules]
-    global_module_hooks = convention.global_module_hooks()
-    _warn_of_hooks(module_hooks, global_module_hooks)
-    state = lift_module_state(modules)
-    sparse_names = sparse_gradients.sparse_params(
-        modules, state.tensors[: state.num_params]
+    user_positions = [
+        i for i in range(len(example_inputs)) if i not in lifted_positions
+    ]
+    return _Arguments(
+        fn_name=fn_name,
+        argument_names=arguments,
+        module_positions=module_positions,
+        modules=modules,
+        optimizer_positions=optimizer_positions,
+        sparse_steppers=sparse_steppers,
+        lifted_positions=lifted_positions,
+        user_positions=user_positions,
+        user_inputs=tuple(example_inputs[i] for i in user_positions),
     )
+
+
+@dataclass
+class _ModuleModes:
+    """Each module argument's submodules with their train/eval modes and hooks, read
+    before tracing: fn may switch modes itself, and the driver checks the modes and
+    hooks a call arrives with."""
+
+    submodules: list[list[tuple[str, torch.nn.Module]]]
+    training: list[list[bool]]
+    # The hooks the trace runs are built into the graph: each call must bring the same.
+    hooks: list[dict[str, dict[str, int]]]
+    global_hooks: dict[str, int]
+
+
+def _read_module_modes(modules: list[torch.nn.Module]) -> _ModuleModes:
+    """The modes and hooks of ``modules``, warning of the hooks (``_warn_of_hooks``)."""
+    submodules = [list(module.named_modules()) for module in modules]
+    modes = _ModuleModes(
+        submodules=submodules,
+        training=[[m.training for _, m in named] for named in submodules],
+        hooks=[convention.module_hooks(module) for module in modules],
+        global_hooks=convention.global_module_hooks(),
+    )
+    _warn_of_hooks(modes.hooks, modes.global_hooks)
+    return modes
+
+
+@dataclass
+class _LiftedState:
+    """The module state and the supported optimizers' state, lifted to graph inputs;
+    the parameters with sparse gradients, whose steps the driver takes."""
+
+    state: ModuleState
+    # Index into the parameters -> the module whose ``sparse=True`` makes it sparse.
+    sparse_names: dict[int, str]
+    optimizers: list[optimizers.LiftedOptimizer]
+    deferrals: sparse_gradients.Deferrals
+
+
+def _lift_state(call: _Arguments, example_inputs: tuple[object, ...]) -> _LiftedState:
+    """Lift the module arguments' state, then the optimizers' state (which must be
+    that of lifted parameters)."""
+    state = lift_module_state(call.modules)
+    params = state.tensors[: state.num_params]
+    sparse_names = sparse_gradients.sparse_params(call.modules, params)
     lifted_optimizers = [
         optimizers.lift(
             cast(torch.optim.Optimizer, example_inputs[position]),
             position,
-            state.tensors[: state.num_params],
+            params,
             sparse_names,
-            where=convention.argument(position, arguments),
+            where=convention.argument(position, call.argument_names),
         )
-        for position in optimizer_positions
+        for position in call.optimizer_positions
     ]
-    deferrals = sparse_gradients.Deferrals(arguments)
-    user_inputs = tuple(
-        a for i, a in enumerate(example_inputs) if i not in lifted_positions
-    )
-    user_positions = [
-        i for i in range(len(example_inputs)) if i not in lifted_positions
-    ]
+    deferrals = sparse_gradients.Deferrals(call.argument_names)
+    return _LiftedState(state, sparse_names, lifted_optimizers, deferrals)
+
+
+@dataclass
+class _UserLeaves:
+    """The user inputs flattened into the leaves the graph takes after the module
+    state, with their mark_unbacked dims and, where any is marked, the fakes the
+    trace runs on."""
+
+    # The namedtuple and dataclass types among the inputs, by import path.
+    input_types: list[str]
+    leaves: list[object]
+    in_spec: pytree.TreeSpec
+    names: list[str]
+    marks: list[dict[int, dynamic_dims.DimMark]]
+    symbolic: dynamic_dims.SymbolicInputs | None
+
+
+def _flatten_user_inputs(
+    call: _Arguments, state: ModuleState, backend: Backend
+) -> _UserLeaves:
+    """Flatten the user inputs, refusing a module among them and the dim marks the
+    artifact cannot honour."""
     # Before flattening: a dataclass is opened once registered.
     input_types = [
         path
-        for position, argument in zip(user_positions, user_inputs, strict=True)
+        for position, argument in zip(
+            call.user_positions, call.user_inputs, strict=True
+        )
         for path in pytree_types.record(
-            argument, functools.partial(convention.argument, position, arguments)
+            argument,
+            functools.partial(convention.argument, position, call.argument_names),
         )
     ]
-    user_leaves, in_spec = pytree.tree_flatten(user_inputs)
-    leaf_names = convention.leaf_names(user_positions, arguments, user_inputs)
+    user_leaves, in_spec = pytree.tree_flatten(call.user_inputs)
+    leaf_names = convention.leaf_names(
+        call.user_positions, call.argument_names, call.user_inputs
+    )
     _reject_nested_modules(user_leaves, leaf_names)
     marks = dynamic_dims.read_dim_marks(user_leaves, leaf_names, backend)
     symbolic = (
@@ -284,110 +420,237 @@ def trace(
         if any(marks)
         else None
     )
-    num_state, num_params = len(state.tensors), state.num_params
-    aliased_inputs = aliasing.alias_groups([*state.tensors, *user_leaves])
-    dtensors.reject_aliasing(
-        aliased_inputs,
-        [*state.tensors, *user_leaves],
-        [
-            *(
-                f"the model's {name!r}"
-                for name in state.param_names + state.buffer_names
-            ),
-            *leaf_names,
-        ],
-    )
-    dtensor_layouts = dtensors.layouts([*state.tensors, *user_leaves])
-    # Inductor gets the graph traced again on the local shards (below), which a
-    # symbolic trace's fakes cannot give: refused before the trace costs anything.
-    if backend == "inductor" and dtensor_layouts and symbolic is not None:
+    return _UserLeaves(input_types, user_leaves, in_spec, leaf_names, marks, symbolic)
+
+
+@dataclass
+class _GraphInputs:
+    """The tensors the graph is traced on, in graph-input order: the module state,
+    the user-input leaves, the optimizers' state, then one ``lr`` per param group."""
+
+    flat_args: list[object]
+    num_state: int
+    num_params: int
+    # Where the optimizers' state begins, and where their lrs begin.
+    state_start: int
+    lr_start: int
+    aliased_inputs: list[AliasGroup]
+    # The DTensor graph inputs' mesh shapes and placements, by position.
+    dtensor_layouts: dict[int, DTensorLayout]
+    # Each tensor's version counter before the trace: an update fn makes in place
+    # shows as a change.
+    versions: list[int | None]
+
+
+def _graph_inputs(
+    lifted: _LiftedState, user: _UserLeaves, backend: Backend
+) -> _GraphInputs:
+    """Lay out the graph inputs, refusing the combinations of aliasing, DTensors,
+    dim marks and optimizers the trace cannot hold."""
+    state = lifted.state
+    aliased_inputs = _aliased_inputs(state, user)
+    dtensor_layouts = dtensors.layouts([*state.tensors, *user.leaves])
+    # Inductor gets the graph traced again on the local shards after the trace,
+    # which a symbolic trace's fakes cannot give: refused before the trace costs
+    # anything.
+    if backend == "inductor" and dtensor_layouts and user.symbolic is not None:
         raise PrecompileError(
             "mark_unbacked dims and DTensors cannot be captured together on the "
             "inductor backend yet. Leave the dims static, or capture with "
             "backend='eager'."
         )
     # The optimizers' state and lr tensors follow the input leaves.
-    optimizer_state = [t for entry in lifted_optimizers for t in entry.state]
-    lrs = optimizers.lr_tensors(lifted_optimizers)
-    state_start = num_state + len(user_leaves)
-    lr_start = state_start + len(optimizer_state)
-    if symbolic is None:
-        flat_args = aliasing.copies_for_trace([*state.tensors, *user_leaves])
-        flat_args += [*optimizer_state, *lrs]
-    elif lifted_optimizers:
+    optimizer_state = [t for entry in lifted.optimizers for t in entry.state]
+    lrs = optimizers.lr_tensors(lifted.optimizers)
+    num_state = len(state.tensors)
+    state_start = num_state + len(user.leaves)
+    flat_args = _tensors_to_trace(
+        lifted, user, aliased_inputs, [*optimizer_state, *lrs]
+    )
+    return _GraphInputs(
+        flat_args=flat_args,
+        num_state=num_state,
+        num_params=state.num_params,
+        state_start=state_start,
+        lr_start=state_start + len(optimizer_state),
+        aliased_inputs=aliased_inputs,
+        dtensor_layouts=dtensor_layouts,
+        versions=[_version(arg) for arg in flat_args],
+    )
+
+
+def _aliased_inputs(state: ModuleState, user: _UserLeaves) -> list[AliasGroup]:
+    """The module state and input leaves that share a storage; a DTensor among them
+    is refused."""
+    flat = [*state.tensors, *user.leaves]
+    aliased_inputs = aliasing.alias_groups(flat)
+    dtensors.reject_aliasing(
+        aliased_inputs,
+        flat,
+        [
+            *(
+                f"the model's {name!r}"
+                for name in state.param_names + state.buffer_names
+            ),
+            *user.names,
+        ],
+    )
+    return aliased_inputs
+
+
+def _tensors_to_trace(
+    lifted: _LiftedState,
+    user: _UserLeaves,
+    aliased_inputs: list[AliasGroup],
+    optimizer_inputs: list[torch.Tensor],
+) -> list[object]:
+    """Copies of the example tensors, or with mark_unbacked dims the fakes they
+    become, so that tracing changes none of the example's."""
+    state = lifted.state
+    if user.symbolic is None:
+        flat_args = aliasing.copies_for_trace([*state.tensors, *user.leaves])
+        flat_args += optimizer_inputs
+        return flat_args
+    if lifted.optimizers:
         raise PrecompileError(
             "an optimizer argument cannot be captured together with mark_unbacked "
             "dims. Leave the dims static, or call the optimizer after the "
             "precompiled function."
         )
-    else:
-        _reject_symbolic_aliasing(
-            aliased_inputs, [*state.tensors, *user_leaves], [{}] * num_state + marks
-        )
-        flat_args = symbolic.flat_args
-    harvest: dict[str, Any] = {}
-    resets: grad_resets.Resets = {}
+    _reject_symbolic_aliasing(
+        aliased_inputs,
+        [*state.tensors, *user.leaves],
+        [{}] * len(state.tensors) + user.marks,
+    )
+    return user.symbolic.flat_args
+
+
+@dataclass
+class _Harvest:
+    """What the flat function learns while make_fx runs fn: the structure of its
+    result, which parameters got gradients, and what fn did to the optimizers and
+    the ``.grad`` fields."""
+
+    out_spec: pytree.TreeSpec = field(init=False)
+    # The namedtuple and dataclass types in fn's result, by import path.
+    pytree_types: list[str] = field(default_factory=list)
+    scalar_outputs: list[int] = field(default_factory=list)
+    grad_param_indices: list[int] = field(default_factory=list)
+    # Positions among the gradients returned of those that are sparse.
+    sparse_grads: list[int] = field(default_factory=list)
+    resets: grad_resets.Resets = field(default_factory=dict)
     # The optimizer arguments whose step() fn called, by id.
-    stepped: set[int] = set()
+    stepped: set[int] = field(default_factory=set)
     # What fn itself raised while traced: it reaches the caller unwrapped.
-    raised_by_fn: list[Exception] = []
+    raised_by_fn: list[Exception] = field(default_factory=list)
+
+
+def _flat_function(
+    fn: Callable[..., object],
+    example_inputs: tuple[object, ...],
+    call: _Arguments,
+    modes: _ModuleModes,
+    lifted: _LiftedState,
+    user: _UserLeaves,
+    inputs: _GraphInputs,
+    harvest: _Harvest,
+) -> Callable[[list[Any]], list[object]]:
+    """fn as make_fx traces it: the graph inputs in one flat list, fn's result leaves
+    then the parameters' gradients out."""
 
     def flat_fn(flat: list[Any]) -> list[object]:
-        inputs = pytree.tree_unflatten(flat[num_state:state_start], in_spec)
-        with (
-            _modes_restored(submodules, module_training),
-            _reparametrized(modules, state, flat[:num_state]),
-            optimizers.stepping_copies(
-                lifted_optimizers,
-                flat[:num_params],
-                flat[state_start:lr_start],
-                flat[lr_start:],
-            ),
-            grad_resets.recording(
-                state.tensors[:num_params],
-                flat[:num_params],
-                resets,
-                [entry.optimizer for entry in lifted_optimizers],
-                stepped,
-            ),
-            data_dependent.value_reads(modules, fn_name),
-            data_parallel.reducing(modules, *_module_params(state, flat, len(modules))),
-            sparse_gradients.deferring(
-                [(e.argument.position, e.optimizer) for e in lifted_optimizers],
-                sparse_steppers,
-                state.tensors[:num_params],
-                flat[:num_params],
-                sparse_names,
-                state.param_names,
-                deferrals,
-            ),
-        ):
-            args = _interleave(example_inputs, lifted_positions, inputs)
+        user_inputs = pytree.tree_unflatten(
+            flat[inputs.num_state : inputs.state_start], user.in_spec
+        )
+        with _running_on_graph_inputs(flat, call, modes, lifted, inputs, harvest):
+            args = _interleave(example_inputs, call.lifted_positions, user_inputs)
             try:
                 result = fn(*args)
             except Exception as error:
-                raised_by_fn.append(error)
+                harvest.raised_by_fn.append(error)
                 raise
-        grads = [p.grad for p in flat[:num_params]]
-        _reject_stray_grads(state, flat[:state_start], leaf_names)
-        harvest["pytree_types"] = pytree_types.record(
-            result, functools.partial(_result_part, fn_name), result=True
-        )
-        result_leaves, harvest["out_spec"] = pytree.tree_flatten(result)
-        result_leaves, harvest["scalar_outputs"] = data_dependent.scalar_outputs(
-            result_leaves
-        )
-        _reject_opaque_results(result, result_leaves, fn_name)
-        harvest["grad_param_indices"] = [
-            i for i, g in enumerate(grads) if g is not None
-        ]
-        harvest["sparse_grads"] = [
-            k for k, g in enumerate(g for g in grads if g is not None) if g.is_sparse
-        ]
-        return [*result_leaves, *(g for g in grads if g is not None)]
+        grads = [p.grad for p in flat[: inputs.num_params]]
+        _reject_stray_grads(lifted.state, flat[: inputs.state_start], user.names)
+        return _graph_outputs(result, grads, call.fn_name, harvest)
 
-    versions = [_version(arg) for arg in flat_args]
-    generators = python_state.torch_generators(modules, user_leaves)
+    return flat_fn
+
+
+@contextlib.contextmanager
+def _running_on_graph_inputs(
+    flat: list[Any],
+    call: _Arguments,
+    modes: _ModuleModes,
+    lifted: _LiftedState,
+    inputs: _GraphInputs,
+    harvest: _Harvest,
+) -> Generator[None]:
+    """While fn runs traced: the modules and optimizers read and update the graph
+    inputs ``flat`` in place of their own tensors, and what fn does to modes,
+    ``.grad`` fields, tensor values and sparse steps is recorded or refused."""
+    state, num_params = lifted.state, inputs.num_params
+    with (
+        _modes_restored(modes.submodules, modes.training),
+        _reparametrized(call.modules, state, flat[: inputs.num_state]),
+        optimizers.stepping_copies(
+            lifted.optimizers,
+            flat[:num_params],
+            flat[inputs.state_start : inputs.lr_start],
+            flat[inputs.lr_start :],
+        ),
+        grad_resets.recording(
+            state.tensors[:num_params],
+            flat[:num_params],
+            harvest.resets,
+            [entry.optimizer for entry in lifted.optimizers],
+            harvest.stepped,
+        ),
+        data_dependent.value_reads(call.modules, call.fn_name),
+        data_parallel.reducing(
+            call.modules, *_module_params(state, flat, len(call.modules))
+        ),
+        sparse_gradients.deferring(
+            [(e.argument.position, e.optimizer) for e in lifted.optimizers],
+            call.sparse_steppers,
+            state.tensors[:num_params],
+            flat[:num_params],
+            lifted.sparse_names,
+            state.param_names,
+            lifted.deferrals,
+        ),
+    ):
+        yield
+
+
+def _graph_outputs(
+    result: object, grads: list[Any], fn_name: str, harvest: _Harvest
+) -> list[object]:
+    """The graph's outputs: fn's result leaves, then the gradients the parameters
+    got; ``harvest`` records how to rebuild the result and whose gradients they are."""
+    harvest.pytree_types = pytree_types.record(
+        result, functools.partial(_result_part, fn_name), result=True
+    )
+    result_leaves, harvest.out_spec = pytree.tree_flatten(result)
+    result_leaves, harvest.scalar_outputs = data_dependent.scalar_outputs(result_leaves)
+    _reject_opaque_results(result, result_leaves, fn_name)
+    harvest.grad_param_indices = [i for i, g in enumerate(grads) if g is not None]
+    harvest.sparse_grads = [
+        k for k, g in enumerate(g for g in grads if g is not None) if g.is_sparse
+    ]
+    return [*result_leaves, *(g for g in grads if g is not None)]
+
+
+def _make_fx(
+    fn: Callable[..., object],
+    fn_name: str,
+    flat_fn: Callable[[list[Any]], list[object]],
+    flat_args: list[object],
+    symbolic: dynamic_dims.SymbolicInputs | None,
+    decompositions: dict[Any, Callable[..., Any]] | None,
+    raised_by_fn: list[Exception],
+) -> torch.fx.GraphModule:
+    """make_fx's graph of ``flat_fn``; fn's own exception reaches the caller as it
+    would eagerly, any other failure becomes a ``PrecompileError`` naming fn."""
     try:
         # Grad mode on, so a backward inside fn is recorded as graph ops.
         mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
@@ -400,7 +663,7 @@ def trace(
             data_parallel.functional_collectives(),
             dtensors.refusing_conversions(fn_name),
         ):
-            gm = make_fx(
+            return make_fx(
                 flat_fn,
                 decomposition_table=decompositions,
                 tracing_mode="real" if symbolic is None else "symbolic",
@@ -429,9 +692,27 @@ def trace(
             f"{fn_name}(*example_inputs) runs eagerly."
         ) from error
 
-    python_state.reject_torch_generators(gm, fn, generators)
-    if symbolic is not None:
-        dynamic_dims.reject_constrained_dims(symbolic, fn_name)
+
+@dataclass
+class _Updates:
+    """The updates fn made, as the trace saw them."""
+
+    # Positions of the module state and input leaves fn updated in place.
+    mutated_inputs: list[int]
+    deferred_steps: list[DeferredStep]
+    optimizers: list[OptimizerArgument]
+    sparse_gradients: SparseGradients | None
+
+
+def _read_updates(
+    gm: torch.fx.GraphModule,
+    call: _Arguments,
+    lifted: _LiftedState,
+    inputs: _GraphInputs,
+    harvest: _Harvest,
+) -> _Updates:
+    """What fn updated: the inputs it wrote, the optimizer steps the graph takes and
+    those left to the driver, and the sparse gradients split from the dense."""
     # The trace ran fn for real (or on fakes), so an in-place update of an input
     # shows in its version counter. (An optimizer's state, after them, always is.)
     # Some kernels write an argument without bumping it (native_batch_norm's running
@@ -439,115 +720,176 @@ def trace(
     written = update_order.written_inputs(gm)
     mutated_inputs = [
         position
-        for position, (arg, before) in enumerate(zip(flat_args, versions, strict=True))
-        if position < state_start and (_version(arg) != before or position in written)
+        for position, (arg, before) in enumerate(
+            zip(inputs.flat_args, inputs.versions, strict=True)
+        )
+        if position < inputs.state_start
+        and (_version(arg) != before or position in written)
     ]
-    deferred_steps = deferrals.records()
+    deferred_steps = lifted.deferrals.records()
     optimizer_arguments = _finish_optimizers(
         gm,
-        flat_args,
-        state_start,
-        lifted_optimizers,
-        stepped,
+        inputs.flat_args,
+        inputs.state_start,
+        lifted.optimizers,
+        harvest.stepped,
         [
             index
-            for index in harvest["grad_param_indices"]
+            for index in harvest.grad_param_indices
             if not any(index in step.params for step in deferred_steps)
         ],
-        arguments,
+        call.argument_names,
     )
-    deferrals.reject_reads_after_steps(gm, sparse_names, state.param_names)
+    param_names = lifted.state.param_names
+    lifted.deferrals.reject_reads_after_steps(gm, lifted.sparse_names, param_names)
     sparse = sparse_gradients.split(
         gm,
-        harvest["grad_param_indices"],
-        harvest["sparse_grads"],
-        sparse_names,
-        state.param_names,
+        harvest.grad_param_indices,
+        harvest.sparse_grads,
+        lifted.sparse_names,
+        param_names,
     )
-    constants = _lift_constants(gm, fn, modules, module_positions, arguments)
+    return _Updates(mutated_inputs, deferred_steps, optimizer_arguments, sparse)
+
+
+def _constants_as_inputs(
+    gm: torch.fx.GraphModule,
+    fn: Callable[..., object],
+    call: _Arguments,
+    symbolic: dynamic_dims.SymbolicInputs | None,
+    flat_args: list[object],
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensor literals fn created, lifted to the graph's last inputs and
+    appended to ``flat_args`` (as fakes in a symbolic trace)."""
+    constants = _lift_constants(
+        gm, fn, call.modules, call.module_positions, call.argument_names
+    )
     if symbolic is None:
         flat_args += [tensor for _, tensor in constants]
     else:
         flat_args += [symbolic.fake_mode.from_tensor(t) for _, t in constants]
+    return constants
+
+
+def _check_graph_ops(gm: torch.fx.GraphModule) -> None:
+    """Refuse the ops the artifact cannot carry; drop the profiler's markers first,
+    which it has no use for."""
     _reject_control_flow(gm)
     _drop_profiler_ranges(gm)
     _reject_effectful_ops(gm)
-    if not aliased_inputs:
+
+
+def _hoist_updates(
+    gm: torch.fx.GraphModule, state: ModuleState, inputs: _GraphInputs
+) -> None:
+    """Run each parameter's and optimizer state's update as soon as its gradient is
+    final (``update_order``)."""
+    if not inputs.aliased_inputs:
         update_order.hoist_updates(
-            gm, {*range(state.num_params), *range(state_start, lr_start)}
+            gm, {*range(state.num_params), *range(inputs.state_start, inputs.lr_start)}
         )
-    local = None
-    # Optimizer state is a DTensor only where its parameter is.
-    if backend == "inductor" and dtensor_layouts:
-        local = dtensors.to_local_graph(gm, flat_args, decompositions)
+
+
+def _record(
+    gm: torch.fx.GraphModule,
+    local: dtensors.LocalGraph | None,
+    call: _Arguments,
+    modes: _ModuleModes,
+    python_values: list[PythonValue],
+    lifted: _LiftedState,
+    user: _UserLeaves,
+    inputs: _GraphInputs,
+    harvest: _Harvest,
+    updates: _Updates,
+    constants: list[tuple[str, torch.Tensor]],
+) -> TracedGraph:
+    """The captured graph and its calling convention; with DTensors on the inductor
+    backend, the graph traced again on the local shards (``local``)."""
+    flat_args = inputs.flat_args
+    if local is not None:
         gm, flat_args = local.gm, local.flat_args
+    state = lifted.state
     return TracedGraph(
-        argument_names=arguments,
+        argument_names=call.argument_names,
         input_names=graph_names.graph_input_names(
-            arguments,
+            call.argument_names,
             state.param_names,
             state.buffer_names,
-            list(zip(user_positions, user_inputs, strict=True)),
-            optimizer_arguments,
+            list(zip(call.user_positions, call.user_inputs, strict=True)),
+            updates.optimizers,
             [name for name, _ in constants],
         ),
-        process_groups=data_parallel.process_groups(gm, modules),
-        data_parallel=[
-            data_parallel.data_parallel_record(module, position)
-            for position, module in zip(module_positions, modules, strict=True)
-            if data_parallel.is_data_parallel(module)
-        ],
+        process_groups=data_parallel.process_groups(gm, call.modules),
+        data_parallel=_data_parallel_records(call),
         gm=gm,
         flat_args=flat_args,
-        fn_name=fn_name,
-        num_positional_args=len(example_inputs),
-        modules=[
-            ModuleArgument(position, training, hooks)
-            for position, training, hooks in zip(
-                module_positions, module_training, module_hooks, strict=True
-            )
-        ],
-        global_module_hooks=global_module_hooks,
+        fn_name=call.fn_name,
+        num_positional_args=len(call.argument_names),
+        modules=_module_arguments(call, modes),
+        global_module_hooks=modes.global_hooks,
         python_values=python_values,
-        optimizers=optimizer_arguments,
+        optimizers=updates.optimizers,
         state=state,
-        aliased_inputs=aliased_inputs,
-        dtensors=dtensor_layouts,
+        aliased_inputs=inputs.aliased_inputs,
+        dtensors=inputs.dtensor_layouts,
         shard_inputs={} if local is None else local.inputs,
         shard_outputs={} if local is None else local.outputs,
-        mutated_inputs=mutated_inputs,
+        mutated_inputs=updates.mutated_inputs,
         constants=constants,
-        grad_param_indices=harvest["grad_param_indices"],
-        scalar_outputs=harvest["scalar_outputs"],
-        grad_resets=sorted(resets.items()),
-        sparse_gradients=sparse,
-        deferred_steps=deferred_steps,
-        in_spec=in_spec,
-        out_spec=harvest["out_spec"],
-        pytree_types=list(dict.fromkeys(input_types + harvest["pytree_types"])),
-        leaves=[
-            InputLeaf(
-                shape=_shape(leaf, marked),
-                dtype=_dtype(leaf),
-                device=_device(leaf),
-                bounds=bounds,
-                symbols=symbols,
-                stride=None
-                if marked or not isinstance(leaf, torch.Tensor)
-                else tuple(leaf.stride()),
-                value=_leaf_value(leaf),
-            )
-            for leaf, marked, bounds, symbols in zip(
-                user_leaves,
-                marks,
-                dynamic_dims.declared_bounds(marks),
-                [None] * len(user_leaves)
-                if symbolic is None
-                else symbolic.leaf_symbols,
-                strict=True,
-            )
-        ],
+        grad_param_indices=harvest.grad_param_indices,
+        scalar_outputs=harvest.scalar_outputs,
+        grad_resets=sorted(harvest.resets.items()),
+        sparse_gradients=updates.sparse_gradients,
+        deferred_steps=updates.deferred_steps,
+        in_spec=user.in_spec,
+        out_spec=harvest.out_spec,
+        pytree_types=list(dict.fromkeys(user.input_types + harvest.pytree_types)),
+        leaves=_input_leaves(user),
     )
+
+
+def _data_parallel_records(call: _Arguments) -> list[dict[str, object]]:
+    return [
+        data_parallel.data_parallel_record(module, position)
+        for position, module in zip(call.module_positions, call.modules, strict=True)
+        if data_parallel.is_data_parallel(module)
+    ]
+
+
+def _module_arguments(call: _Arguments, modes: _ModuleModes) -> list[ModuleArgument]:
+    return [
+        ModuleArgument(position, training, hooks)
+        for position, training, hooks in zip(
+            call.module_positions, modes.training, modes.hooks, strict=True
+        )
+    ]
+
+
+def _input_leaves(user: _UserLeaves) -> list[InputLeaf]:
+    """What the driver checks of each user-input leaf; strides as the example had
+    them, which lowering keeps where the graph depends on them."""
+    return [
+        InputLeaf(
+            shape=_shape(leaf, marked),
+            dtype=_dtype(leaf),
+            device=_device(leaf),
+            bounds=bounds,
+            symbols=symbols,
+            stride=None
+            if marked or not isinstance(leaf, torch.Tensor)
+            else tuple(leaf.stride()),
+            value=_leaf_value(leaf),
+        )
+        for leaf, marked, bounds, symbols in zip(
+            user.leaves,
+            user.marks,
+            dynamic_dims.declared_bounds(user.marks),
+            [None] * len(user.leaves)
+            if user.symbolic is None
+            else user.symbolic.leaf_symbols,
+            strict=True,
+        )
+    ]
 
 
 def _module_params(
