@@ -17,9 +17,12 @@ import pytest
 import torch
 from state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import functional as F
 
 import precompile_gen as pg
+from precompile_gen.capturing import lower
+from precompile_gen.capturing.trace import trace
 
 BACKENDS = ["eager", "inductor"]
 # float64 steps agree with eager to its own rounding, not float32's.
@@ -440,3 +443,108 @@ def test_an_add_with_alpha_next_to_a_matmul_keeps_its_scale(
         lambda model: (*sgd_with_weight_decay(model), batch(4, 8)),
         steps=3,
     )
+
+
+class ConvBlock(nn.Module):
+    """A residual convolution block as torchvision writes it: batch norm and an
+    in-place ReLU after each convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = self.relu(self.bn1(self.stem(x)))
+        return self.relu(self.bn2(self.conv(identity)) + identity)
+
+
+def conv_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    optimizer.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    # A forward after the update reads the weights the step has just written.
+    with torch.no_grad():
+        after = model(x)
+    return loss.detach(), after
+
+
+def adamw(model: nn.Module) -> tuple[object, ...]:
+    return (torch.optim.AdamW(model.parameters(), lr=0.01),)
+
+
+@pytest.fixture(scope="module")
+def conv_artifact(backend: str) -> Captured:
+    torch.manual_seed(0)
+    model = ConvBlock()
+    return capture(conv_step, model, *adamw(model), batch(2, 3, 8, 8), backend=backend)
+
+
+def test_a_convolution_step_trains_like_eager(conv_artifact: Captured) -> None:
+    # Inductor lays the convolutions out channels-last; capture gives each weight
+    # and activation one channels-last copy, which the forward's convolution, the
+    # backward's and (for an activation) every other reader share, while the
+    # forward after the update reads the updated weights.
+    run_side_by_side(
+        conv_artifact,
+        conv_step,
+        lambda model: (*adamw(model), batch(2, 3, 8, 8)),
+        steps=3,
+    )
+
+
+def test_a_convolution_step_lays_each_operand_out_once() -> None:
+    torch.manual_seed(0)
+    model = ConvBlock()
+    example = (model, *adamw(model), batch(2, 3, 8, 8))
+    gm = trace(conv_step, example, backend="inductor").gm
+    lower._channels_last_once(gm)
+    aten = torch.ops.aten
+    copies = gm.graph.find_nodes(op="call_function", target=aten.clone.default)
+    copied = [copy.args[0] for copy in copies]
+    assert len(copied) == len(set(copied))
+    # The step's convolutions read a copy; the forward after the update reads the
+    # weights themselves, which the optimizer has written since.
+    backward = gm.graph.find_nodes(
+        op="call_function", target=aten.convolution_backward.default
+    )
+    convolutions = gm.graph.find_nodes(
+        op="call_function", target=aten.convolution.default
+    )
+    for node in [*backward, *convolutions[: len(backward)]]:
+        operands = node.args[1:3] if node in backward else node.args[:2]
+        assert all(operand in copies for operand in operands), node
+    for node in convolutions[len(backward) :]:
+        assert node.args[1] not in copies, node
+
+
+def test_a_channels_last_copy_is_read_only_until_its_tensor_is_written() -> None:
+    # A view taken before an in-place update is the same graph node after it: the
+    # convolution that reads it after the update must not read the copy made before.
+    aten = torch.ops.aten
+    conv_args = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+
+    def step(
+        x: torch.Tensor, w: torch.Tensor, g: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        view = w.view(w.shape)
+        before = aten.convolution(x, view, None, *conv_args)
+        grads = aten.convolution_backward(
+            g, x, view, [0], *conv_args, [True, True, False]
+        )
+        w.mul_(0.5)
+        return before, grads[0], grads[1], aten.convolution(x, view, None, *conv_args)
+
+    x, w, g = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(2, 4, 4, 4)
+    gm = make_fx(step)(x, w.clone(), g)
+    lower._channels_last_once(gm)
+    assert gm.graph.find_nodes(op="call_function", target=aten.clone.default)
+    expected, got = step(x, w.clone(), g), gm(x, w.clone(), g)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)

@@ -21,6 +21,7 @@ from precompile_gen.capture_result import (
     StateTensor,
     TensorLiteral,
 )
+from precompile_gen.capturing import update_order
 from precompile_gen.capturing.trace import TracedGraph
 from precompile_gen.codegen import inductor_imports
 from precompile_gen.runtime import kernel_binaries
@@ -342,6 +343,7 @@ def _inductor_graph(
     options = _inductor_options(traced)
     _random_fills_in_eager_layout(traced.gm)
     _scale_before_add(traced.gm)
+    _channels_last_once(traced.gm)
     try:
         # compile_to_python applies ``options`` to Inductor's compile only, after
         # AOTAutograd has decomposed the graph with the decompositions of the ambient
@@ -439,6 +441,102 @@ def _scale_before_add(gm: torch.fx.GraphModule) -> None:
         changed = True
     if changed:
         gm.recompile()
+
+
+# Each convolution's 4-D operands, by position: convolution(input, weight, ...) and
+# convolution_backward(grad_output, input, weight, ...).
+_CONVOLUTION_OPERANDS = {
+    torch.ops.aten.convolution.default: (0, 1),
+    torch.ops.aten.convolution_backward.default: (1, 2),
+}
+
+
+def _channels_last_once(gm: torch.fx.GraphModule) -> None:
+    """Give each weight or activation that a training step's convolutions read
+    one channels-last copy, which its forward and backward convolutions share.
+
+    With convolutions in a training graph Inductor lays them out channels-last, and
+    lowers each convolution, and each convolution backward, with a channels-last
+    copy of every operand that is not one already. In one graph holding the whole
+    step, the copies of one weight or activation are made side by side in the
+    forward's kernels and all kept until the backward: two or three copies, where
+    torch.compile's forward saves one for its backward. An activation's other
+    readers read the copy too, so that the activation is laid out once."""
+    graph = gm.graph
+    backward = torch.ops.aten.convolution_backward.default
+    if not graph.find_nodes(op="call_function", target=backward):
+        return
+    from torch._inductor.graph import GraphLowering
+
+    if not GraphLowering.decide_layout_opt(gm, is_inference=False):
+        return
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    writes = update_order.write_positions(gm)
+    changed = False
+    for operand in _convolution_operands(graph):
+        # A reader after the tensor's memory is next written (the optimizer's
+        # update of a weight) must read the written tensor.
+        written = writes.get(operand, [])
+        activation = operand.op != "placeholder"
+        readers = [
+            (reader, index)
+            for reader, index in _plain_reads(operand, everyone=activation)
+            if not any(position[operand] < p < position[reader] for p in written)
+        ]
+        if len(readers) < 2:
+            continue
+        first = min((reader for reader, _ in readers), key=position.__getitem__)
+        with graph.inserting_before(first):
+            copy = graph.call_function(
+                torch.ops.aten.clone.default,
+                (operand,),
+                {"memory_format": torch.channels_last},
+            )
+        copy.meta["val"] = operand.meta["val"].clone(memory_format=torch.channels_last)
+        for reader, index in readers:
+            reader.update_arg(index, copy)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+
+
+def _convolution_operands(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The 4-D tensors, not channels-last already, that the convolutions read."""
+    operands: dict[torch.fx.Node, None] = {}
+    for target, indices in _CONVOLUTION_OPERANDS.items():
+        for node in graph.find_nodes(op="call_function", target=target):
+            for index in indices:
+                operand = node.args[index]
+                value = getattr(operand, "meta", {}).get("val")
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() == 4
+                    and not value.is_contiguous(memory_format=torch.channels_last)
+                ):
+                    operands[operand] = None
+    return list(operands)
+
+
+def _plain_reads(
+    operand: torch.fx.Node, *, everyone: bool
+) -> list[tuple[torch.fx.Node, int]]:
+    """(reader, argument index) of each op that reads ``operand`` as a plain input,
+    neither writing it nor returning a view of it: the convolutions, or with
+    ``everyone`` every such op."""
+    reads = []
+    for reader in operand.users:
+        target = reader.target
+        if not isinstance(target, torch._ops.OpOverload):
+            continue
+        if not everyone and target not in _CONVOLUTION_OPERANDS:
+            continue
+        for index, (argument, value) in enumerate(
+            zip(target._schema.arguments, reader.args, strict=False)
+        ):
+            if value is operand and argument.alias_info is None:
+                reads.append((reader, index))
+    return reads
 
 
 def _random_fills_in_eager_layout(gm: torch.fx.GraphModule) -> None:

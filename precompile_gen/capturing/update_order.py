@@ -123,6 +123,17 @@ def _anchor(
     return max(after, key=keys.__getitem__, default=None)
 
 
+def write_positions(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[int]]:
+    """For each node, the positions (in graph order) of the ops that write its
+    value's memory: in place, through a view, or as batch norm's running stats."""
+    storage = _storages(gm)
+    by_memory: dict[torch.fx.Node, list[int]] = {}
+    for index, node in enumerate(gm.graph.nodes):
+        for memory in _written(node, storage):
+            by_memory.setdefault(memory, []).append(index)
+    return {node: by_memory.get(memory, []) for node, memory in storage.items()}
+
+
 def _has_outside_effects(node: torch.fx.Node) -> bool:
     target = node.target
     if node.op != "call_function":
