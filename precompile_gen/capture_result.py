@@ -395,7 +395,6 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
     """The artifact's metadata constants by name, in emission order: the records
     flattened into aligned lists, the form ``parse_metadata`` and programs written
     for torch.compiler.precompile's artifacts read."""
-    params, buffers, leaves = cap.params, cap.buffers, cap.leaves
     return {
         "BACKEND": cap.backend,
         "MODULE_POSITIONS": [module.position for module in cap.modules],
@@ -405,30 +404,13 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "MODULE_HOOKS": [module.hooks for module in cap.modules],
         "GLOBAL_MODULE_HOOKS": cap.global_module_hooks,
         "PYTHON_VALUES": [tuple(value) for value in cap.python_values],
-        "PARAM_NAMES": [t.name for t in params],
-        "BUFFER_NAMES": [t.name for t in buffers],
-        "PARAM_SHAPES": [t.shape for t in params],
-        "BUFFER_SHAPES": [t.shape for t in buffers],
-        "PARAM_STRIDES": [t.stride for t in params],
-        "BUFFER_STRIDES": [t.stride for t in buffers],
-        "PARAM_DTYPES": [t.dtype for t in params],
-        "BUFFER_DTYPES": [t.dtype for t in buffers],
-        "PARAM_DEVICES": [t.device for t in params],
-        "BUFFER_DEVICES": [t.device for t in buffers],
-        "PARAM_REQUIRES_GRAD": [t.requires_grad for t in params],
-        "BUFFER_REQUIRES_GRAD": [t.requires_grad for t in buffers],
+        **_state_constants(cap.params, cap.buffers),
         "GRAD_PARAM_INDICES": cap.grad_param_indices,
         "GRAD_RESETS": cap.grad_resets,
         "IN_SPEC": cap.in_spec,
         "OUT_SPEC": cap.out_spec,
         "PYTREE_TYPES": cap.pytree_types,
-        "USER_INPUT_SHAPES": [leaf.shape for leaf in leaves],
-        "USER_INPUT_DTYPES": [leaf.dtype for leaf in leaves],
-        "USER_INPUT_DEVICES": [leaf.device for leaf in leaves],
-        "USER_INPUT_BOUNDS": [leaf.bounds for leaf in leaves],
-        "USER_INPUT_STRIDES": [leaf.stride for leaf in leaves],
-        "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
-        "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
+        **_user_input_constants(cap.leaves),
         "ALIASED_INPUTS": cap.aliased_inputs,
         "MUTATED_INPUTS": cap.mutated_inputs,
         "DTENSORS": {
@@ -442,19 +424,7 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         },
         "KERNEL_BINARIES": cap.kernel_binaries,
         "KERNEL_SOURCES": cap.kernel_sources,
-        "OPTIMIZERS": [
-            {
-                "position": optimizer.position,
-                "class": optimizer.name,
-                "steps": optimizer.steps,
-                "groups": [
-                    {"params": g.params, "options": g.options, "lr": g.lr}
-                    for g in optimizer.groups
-                ],
-                "state": [tuple(t) for t in optimizer.state],
-            }
-            for optimizer in cap.optimizers
-        ],
+        "OPTIMIZERS": _optimizer_constants(cap.optimizers),
         "SCALAR_OUTPUTS": cap.scalar_outputs,
         "PROCESS_GROUPS": cap.process_groups,
         "DATA_PARALLEL": cap.data_parallel,
@@ -466,3 +436,54 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
             for step in cap.deferred_steps
         ],
     }
+
+
+def _state_constants(
+    params: list[StateTensor], buffers: list[StateTensor]
+) -> dict[str, object]:
+    """The parameters' and buffers' aligned constants, in emission order."""
+    return {
+        "PARAM_NAMES": [t.name for t in params],
+        "BUFFER_NAMES": [t.name for t in buffers],
+        "PARAM_SHAPES": [t.shape for t in params],
+        "BUFFER_SHAPES": [t.shape for t in buffers],
+        "PARAM_STRIDES": [t.stride for t in params],
+        "BUFFER_STRIDES": [t.stride for t in buffers],
+        "PARAM_DTYPES": [t.dtype for t in params],
+        "BUFFER_DTYPES": [t.dtype for t in buffers],
+        "PARAM_DEVICES": [t.device for t in params],
+        "BUFFER_DEVICES": [t.device for t in buffers],
+        "PARAM_REQUIRES_GRAD": [t.requires_grad for t in params],
+        "BUFFER_REQUIRES_GRAD": [t.requires_grad for t in buffers],
+    }
+
+
+def _user_input_constants(leaves: list[InputLeaf]) -> dict[str, object]:
+    """The user-input leaves' aligned constants, in emission order."""
+    return {
+        "USER_INPUT_SHAPES": [leaf.shape for leaf in leaves],
+        "USER_INPUT_DTYPES": [leaf.dtype for leaf in leaves],
+        "USER_INPUT_DEVICES": [leaf.device for leaf in leaves],
+        "USER_INPUT_BOUNDS": [leaf.bounds for leaf in leaves],
+        "USER_INPUT_STRIDES": [leaf.stride for leaf in leaves],
+        "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
+        "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
+    }
+
+
+def _optimizer_constants(
+    optimizers: list[OptimizerArgument],
+) -> list[dict[str, object]]:
+    return [
+        {
+            "position": optimizer.position,
+            "class": optimizer.name,
+            "steps": optimizer.steps,
+            "groups": [
+                {"params": g.params, "options": g.options, "lr": g.lr}
+                for g in optimizer.groups
+            ],
+            "state": [tuple(t) for t in optimizer.state],
+        }
+        for optimizer in optimizers
+    ]

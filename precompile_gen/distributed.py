@@ -27,6 +27,7 @@ checked anything) and no pickled copy of a payload that can reach megabytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -93,60 +94,87 @@ def precompile_once(
     stem = _file_stem(fn, name) if cache_dir is not None else None
     group_ranks = _group_ranks(src, group)
     device = _collective_device(group)
-    rank = dist.get_rank()
-    what = _describe(fn)
-
-    pair: tuple[str, bytes] | None = None
-    failure: Exception | None = None
-    message: tuple[int, str, bytes] | None = None
-    if rank == src:
-        try:
-            _reject_dtensors(example_inputs)
-            pair = precompile(
-                fn,
-                *example_inputs,
-                backend=backend,
-                tracer=tracer,
-                decompositions=decompositions,
-                key=key,
-            )
-            if cache_dir is None or stem is None:
-                message = (PAIR, *pair)
-            else:
-                message = (FILES, _write_files(Path(cache_dir), stem, *pair), b"")
-        except Exception as error:
-            failure = error
-            message = (FAILED, f"{type(error).__name__}: {error}", b"")
+    precompile_here = functools.partial(
+        precompile,
+        backend=backend,
+        tracer=tracer,
+        decompositions=decompositions,
+        key=key,
+    )
+    message, pair, failure = (
+        _precompile_on_source(precompile_here, fn, example_inputs, cache_dir, stem)
+        if dist.get_rank() == src
+        else (None, None, None)
+    )
     kind, text, data = _broadcast(message, src=src, group=group, device=device)
     if kind == FAILED:
-        raise PrecompileError(
-            f"precompile_once: precompiling {what} failed on source rank {src} "
-            f"({text}). Every rank of the group raises this error; the traceback is "
-            f"chained to it on rank {src}. Fix the failure there and run again."
-        ) from failure
-
-    forward: Callable[..., object] | None = None
-    local_error: Exception | None = None
-    try:
-        if pair is None:
-            pair = _received_pair(kind, text, data, cache_dir, src)
-        forward = load(*pair, key=key)
-    except Exception as error:
-        local_error = error
+        raise _source_failed(fn, src, text) from failure
+    forward, local_error = _load_pair(pair, (kind, text, data), cache_dir, src, key)
     failed_ranks = _ranks_that_failed(local_error, group, group_ranks, device)
     if failed_ranks:
-        here = (
-            f" On this rank: {type(local_error).__name__}: {local_error}"
-            if local_error is not None
-            else f" See the error on rank {failed_ranks[0]} for the reason."
-        )
-        raise PrecompileError(
-            f"precompile_once: loading {what}, precompiled on source rank {src}, "
-            f"failed on rank(s) {failed_ranks}; every rank of the group raises, so "
-            f"that none waits for them in a later collective.{here}"
-        ) from local_error
+        raise _load_failed(fn, src, failed_ranks, local_error) from local_error
     assert forward is not None  # no rank failed, so this one loaded
     return forward
+
+
+def _precompile_on_source(
+    precompile_here: Callable[..., tuple[str, bytes]],
+    fn: Callable[..., object],
+    example_inputs: tuple[object, ...],
+    cache_dir: str | os.PathLike[str] | None,
+    stem: str | None,
+) -> tuple[tuple[int, str, bytes], tuple[str, bytes] | None, Exception | None]:
+    """What rank ``src`` sends (the pair, the files' manifest, or its failure), and
+    the pair and the failure it keeps for itself."""
+    pair: tuple[str, bytes] | None = None
+    try:
+        _reject_dtensors(example_inputs)
+        pair = precompile_here(fn, *example_inputs)
+        if cache_dir is None or stem is None:
+            return (PAIR, *pair), pair, None
+        return (FILES, _write_files(Path(cache_dir), stem, *pair), b""), pair, None
+    except Exception as error:
+        return (FAILED, f"{type(error).__name__}: {error}", b""), pair, error
+
+
+def _source_failed(fn: object, src: int, reason: str) -> PrecompileError:
+    return PrecompileError(
+        f"precompile_once: precompiling {_describe(fn)} failed on source rank {src} "
+        f"({reason}). Every rank of the group raises this error; the traceback is "
+        f"chained to it on rank {src}. Fix the failure there and run again."
+    )
+
+
+def _load_pair(
+    pair: tuple[str, bytes] | None,
+    received: tuple[int, str, bytes],
+    cache_dir: str | os.PathLike[str] | None,
+    src: int,
+    key: bytes | None,
+) -> tuple[Callable[..., object] | None, Exception | None]:
+    """This rank's pair loaded (its own on ``src``, else the one it received), or
+    why it could not be: every rank learns of any rank's failure afterwards."""
+    try:
+        if pair is None:
+            pair = _received_pair(*received, cache_dir, src)
+        return load(*pair, key=key), None
+    except Exception as error:
+        return None, error
+
+
+def _load_failed(
+    fn: object, src: int, failed_ranks: list[int], local_error: Exception | None
+) -> PrecompileError:
+    here = (
+        f" On this rank: {type(local_error).__name__}: {local_error}"
+        if local_error is not None
+        else f" See the error on rank {failed_ranks[0]} for the reason."
+    )
+    return PrecompileError(
+        f"precompile_once: loading {_describe(fn)}, precompiled on source rank {src}, "
+        f"failed on rank(s) {failed_ranks}; every rank of the group raises, so "
+        f"that none waits for them in a later collective.{here}"
+    )
 
 
 def _reject_dtensors(example_inputs: tuple[object, ...]) -> None:

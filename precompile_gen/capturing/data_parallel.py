@@ -53,6 +53,12 @@ def check_module(module: torch.nn.Module, argument: str) -> None:
     the module at ``argument`` (as messages name it)."""
     ddp = _ddp(module)
     where = f"the DistributedDataParallel module at {argument}"
+    _check_reducer(ddp, where)
+    _check_state(module, ddp, where)
+
+
+def _check_reducer(ddp: Any, where: str) -> None:
+    """Refuse options of DDP's reducer, which the artifact's own all-reduce replaces."""
     comm_hook = ddp._get_ddp_logging_data().get("comm_hook") or "register_comm_hook"
     if ddp._comm_hooks or comm_hook != "register_comm_hook":
         _refuse(
@@ -91,6 +97,10 @@ def check_module(module: torch.nn.Module, argument: str) -> None:
             "construct it without _ddp_params_and_buffers_to_ignore / "
             "delay_all_reduce_named_params",
         )
+
+
+def _check_state(module: torch.nn.Module, ddp: Any, where: str) -> None:
+    """Refuse parameters DDP leaves out and buffers it broadcasts."""
     frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
     if frozen:
         _refuse(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sysconfig
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -190,8 +190,7 @@ def symbolic_inputs(
     # Non-fake tensors the function closes over must reach _reject_constants, which
     # names them, rather than fail inside fake tensor propagation.
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    symbol_of: dict[object, torch.SymInt] = {}
-    dims_of: dict[sympy.Symbol, list[str]] = {}
+    dims = _MarkedDims()
     leaf_symbols: list[dict[int, str] | None] = []
     flat_args: list[object] = []
     # A tensor passed twice is one fake with one set of symbols, as it is one copy
@@ -205,59 +204,82 @@ def symbolic_inputs(
         for name, leaf, leaf_marks in zip(leaf_names, user_leaves, marks, strict=True):
             if isinstance(leaf, torch.Tensor) and id(leaf) in seen:
                 fake, leaf_symbol_names = seen[id(leaf)]
-                flat_args.append(fake)
-                leaf_symbols.append(leaf_symbol_names)
-                continue
-            if not leaf_marks:
-                fake = _fake_copy(fake_mode, leaf)
-                seen[id(leaf)] = (fake, None)
-                flat_args.append(fake)
-                leaf_symbols.append(None)
-                continue
-            tensor = cast(torch.Tensor, leaf)
-            sizes: list[int | torch.SymInt] = list(tensor.shape)
-            symbols: dict[int, str] = {}
-            for dim, mark in leaf_marks.items():
-                symbol = None
-                if mark.shape_id is not None:
-                    symbol = symbol_of.get(mark.shape_id)
-                if symbol is None:
-                    symbol = shape_env.create_unbacked_symint()
-                    torch._check(symbol >= 0)
-                    if mark.shape_id is not None:
-                        symbol_of[mark.shape_id] = symbol
-                hinted = symbol.node.expr in shape_env.var_to_hint_override
-                if mark.hint_override is not None and not hinted:
-                    # One hint per symbol: the first of a shape_id's hints wins.
-                    shape_env._set_unbacked_var_to_hint_override(
-                        symbol, mark.hint_override
-                    )
-                # Every mark's own bounds hold, also where a shape_id shares a symbol.
-                if mark.min is not None:
-                    torch._check(symbol >= mark.min)
-                if mark.max is not None:
-                    torch._check(symbol <= mark.max)
-                dims_of.setdefault(cast(sympy.Symbol, symbol.node.expr), []).append(
-                    f"{name} dim {dim}"
+            elif leaf_marks:
+                fake, leaf_symbol_names = _marked_fake(
+                    cast(torch.Tensor, leaf), name, leaf_marks, shape_env, dims
                 )
-                sizes[dim] = symbol
-                symbols[dim] = str(symbol.node.expr)
-            leaf_symbols.append(dict(sorted(symbols.items())))
-            fake = torch.empty(
-                sizes,
-                dtype=tensor.dtype,
-                device=tensor.device,
-                memory_format=_marked_memory_format(tensor, name),
-            )
-            fake.requires_grad_(tensor.requires_grad)
-            seen[id(leaf)] = (fake, leaf_symbols[-1])
+            else:
+                fake, leaf_symbol_names = _fake_copy(fake_mode, leaf), None
+            seen[id(leaf)] = (fake, leaf_symbol_names)
             flat_args.append(fake)
+            leaf_symbols.append(leaf_symbol_names)
     declared: set[sympy.Basic] = {
         assertion.expr
         for assertions in shape_env.deferred_runtime_asserts.values()
         for assertion in assertions
     }
-    return SymbolicInputs(flat_args, fake_mode, dims_of, declared, leaf_symbols)
+    return SymbolicInputs(flat_args, fake_mode, dims.dims_of, declared, leaf_symbols)
+
+
+@dataclass
+class _MarkedDims:
+    """The symbols made so far for marked dims."""
+
+    # One symbol per shape_id: dims that share one have one size.
+    symbol_of: dict[object, torch.SymInt] = field(default_factory=dict)
+    # Each symbol and the input dims it stands for ("argument 1 dim 0").
+    dims_of: dict[sympy.Symbol, list[str]] = field(default_factory=dict)
+
+
+def _marked_fake(
+    tensor: torch.Tensor,
+    name: str,
+    leaf_marks: dict[int, DimMark],
+    shape_env: ShapeEnv,
+    dims: _MarkedDims,
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """The fake for an input with marked dims, and each marked dim's symbol name."""
+    sizes: list[int | torch.SymInt] = list(tensor.shape)
+    symbols: dict[int, str] = {}
+    for dim, mark in leaf_marks.items():
+        symbol = _dim_symbol(mark, shape_env, dims)
+        dims.dims_of.setdefault(cast(sympy.Symbol, symbol.node.expr), []).append(
+            f"{name} dim {dim}"
+        )
+        sizes[dim] = symbol
+        symbols[dim] = str(symbol.node.expr)
+    leaf_symbol_names = dict(sorted(symbols.items()))
+    fake = torch.empty(
+        sizes,
+        dtype=tensor.dtype,
+        device=tensor.device,
+        memory_format=_marked_memory_format(tensor, name),
+    )
+    fake.requires_grad_(tensor.requires_grad)
+    return fake, leaf_symbol_names
+
+
+def _dim_symbol(mark: DimMark, shape_env: ShapeEnv, dims: _MarkedDims) -> torch.SymInt:
+    """The unbacked symbol for one marked dim (its shape_id's, or a new one), with
+    the mark's hint and bounds put on it."""
+    symbol = None
+    if mark.shape_id is not None:
+        symbol = dims.symbol_of.get(mark.shape_id)
+    if symbol is None:
+        symbol = shape_env.create_unbacked_symint()
+        torch._check(symbol >= 0)
+        if mark.shape_id is not None:
+            dims.symbol_of[mark.shape_id] = symbol
+    hinted = symbol.node.expr in shape_env.var_to_hint_override
+    if mark.hint_override is not None and not hinted:
+        # One hint per symbol: the first of a shape_id's hints wins.
+        shape_env._set_unbacked_var_to_hint_override(symbol, mark.hint_override)
+    # Every mark's own bounds hold, also where a shape_id shares a symbol.
+    if mark.min is not None:
+        torch._check(symbol >= mark.min)
+    if mark.max is not None:
+        torch._check(symbol <= mark.max)
+    return symbol
 
 
 def _fake_copy(fake_mode: FakeTensorMode, value: object) -> object:

@@ -48,21 +48,7 @@ def recording(
     ``stepped``) and refuse any other ``Optimizer.step``. Other threads' calls are
     left alone."""
     tracing_thread = threading.get_ident()
-    index_of = {id(t): i for i, t in enumerate(originals)}
-    index_of.update({id(t): i for i, t in enumerate(copies)})
-
-    def record(params: Iterable[torch.Tensor], set_to_none: bool, owner: str) -> None:
-        for param in params:
-            index = index_of.get(id(param))
-            if index is None:
-                raise PrecompileError(
-                    f"the function calls zero_grad() on {owner}, which holds a tensor "
-                    f"of shape {tuple(param.shape)} that is not a parameter of a "
-                    "module argument, so the artifact could not reset it. Reset that "
-                    "tensor's .grad outside the precompiled function."
-                )
-            convention.reset_grad(copies[index], set_to_none)
-            resets[index] = resets.get(index, False) or set_to_none
+    record = _recorder(originals, copies, resets)
 
     def module_zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
         # The module arguments are reparametrised: parameters() yields the copies.
@@ -82,21 +68,7 @@ def recording(
         if any(optimizer is lifted for lifted in stepping):
             stepped.add(id(optimizer))
             return
-        name = type(optimizer).__name__
-        if type(optimizer) in (*optimizers.SUPPORTED, torch.optim.SparseAdam):
-            problem = "which is not an argument of the function"
-            fix = "Pass the optimizer to the function as an argument"
-        else:
-            problem = (
-                "whose step the artifact cannot capture (it captures those of "
-                f"{', '.join(cls.__name__ for cls in optimizers.SUPPORTED)})"
-            )
-            fix = "Use one of those"
-        raise PrecompileError(
-            f"the function calls step() on the optimizer {name}, {problem}. {fix}, "
-            "or call the optimizer after the precompiled function: "
-            "loss = step(model, *inputs); optimizer.step()."
-        )
+        raise _step_refused(optimizer)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(
@@ -109,6 +81,49 @@ def recording(
         )
         stack.callback(register_optimizer_step_pre_hook(refuse_step).remove)
         yield
+
+
+def _recorder(
+    originals: list[torch.Tensor], copies: list[torch.Tensor], resets: Resets
+) -> Callable[[Iterable[torch.Tensor], bool, str], None]:
+    """What a ``zero_grad()`` on the parameters ``params`` of ``owner`` does while
+    ``fn`` is traced: reset their copies, and record the reset in ``resets``."""
+    index_of = {id(t): i for i, t in enumerate(originals)}
+    index_of.update({id(t): i for i, t in enumerate(copies)})
+
+    def record(params: Iterable[torch.Tensor], set_to_none: bool, owner: str) -> None:
+        for param in params:
+            index = index_of.get(id(param))
+            if index is None:
+                raise PrecompileError(
+                    f"the function calls zero_grad() on {owner}, which holds a tensor "
+                    f"of shape {tuple(param.shape)} that is not a parameter of a "
+                    "module argument, so the artifact could not reset it. Reset that "
+                    "tensor's .grad outside the precompiled function."
+                )
+            convention.reset_grad(copies[index], set_to_none)
+            resets[index] = resets.get(index, False) or set_to_none
+
+    return record
+
+
+def _step_refused(optimizer: torch.optim.Optimizer) -> PrecompileError:
+    """Why the traced function may not call ``step()`` on ``optimizer``."""
+    name = type(optimizer).__name__
+    if type(optimizer) in (*optimizers.SUPPORTED, torch.optim.SparseAdam):
+        problem = "which is not an argument of the function"
+        fix = "Pass the optimizer to the function as an argument"
+    else:
+        problem = (
+            "whose step the artifact cannot capture (it captures those of "
+            f"{', '.join(cls.__name__ for cls in optimizers.SUPPORTED)})"
+        )
+        fix = "Use one of those"
+    return PrecompileError(
+        f"the function calls step() on the optimizer {name}, {problem}. {fix}, "
+        "or call the optimizer after the precompiled function: "
+        "loss = step(model, *inputs); optimizer.step()."
+    )
 
 
 @contextlib.contextmanager

@@ -80,23 +80,48 @@ def lift(
         )
     groups = []
     for number, group in enumerate(optimizer.param_groups):
-        indices = []
-        for param in group["params"]:
-            index = index_of.get(id(param))
-            if index is None:
-                raise PrecompileError(
-                    f"param group {number} of the optimizer {name} at {where} "
-                    f"holds a tensor of shape {tuple(param.shape)} that is "
-                    "not a parameter of a module argument, so the artifact could not "
-                    "pass it to the graph. Build the optimizer from the parameters "
-                    "of the modules passed to the function."
-                )
-            indices.append(index)
+        indices = _group_indices(group, number, index_of, name, where)
         groups.append(
             ParamGroup(
                 indices, _options(optimizer, group, number), _lr(group, params, indices)
             )
         )
+    state, tensors = _first_states(optimizer, groups, params, sparse, where)
+    return LiftedOptimizer(
+        optimizer,
+        OptimizerArgument(position, name, groups, steps=False, state=state),
+        tensors,
+    )
+
+
+def _group_indices(
+    group: dict[str, Any], number: int, index_of: dict[int, int], name: str, where: str
+) -> list[int]:
+    """The indices (into PARAM_NAMES) of a param group's parameters."""
+    indices = []
+    for param in group["params"]:
+        index = index_of.get(id(param))
+        if index is None:
+            raise PrecompileError(
+                f"param group {number} of the optimizer {name} at {where} "
+                f"holds a tensor of shape {tuple(param.shape)} that is "
+                "not a parameter of a module argument, so the artifact could not "
+                "pass it to the graph. Build the optimizer from the parameters "
+                "of the modules passed to the function."
+            )
+        indices.append(index)
+    return indices
+
+
+def _first_states(
+    optimizer: torch.optim.Optimizer,
+    groups: list[ParamGroup],
+    params: list[torch.Tensor],
+    sparse: Container[int],
+    where: str,
+) -> tuple[list[OptimizerStateTensor], list[torch.Tensor]]:
+    """The state of each parameter the graph steps (``_first_state``), as graph
+    inputs: each tensor's record, and the tensors."""
     state: list[OptimizerStateTensor] = []
     tensors: list[torch.Tensor] = []
     for group, lifted in zip(optimizer.param_groups, groups, strict=True):
@@ -117,11 +142,7 @@ def lift(
                     )
                 )
                 tensors.append(tensor)
-    return LiftedOptimizer(
-        optimizer,
-        OptimizerArgument(position, name, groups, steps=False, state=state),
-        tensors,
-    )
+    return state, tensors
 
 
 def _options(

@@ -203,53 +203,10 @@ def _dynamo_pass(
     copies: tuple[object, ...],
 ) -> Generator[Callable[..., object]]:
     import torch._dynamo
-    from torch._dynamo import guards, side_effects
 
-    frame: dict[str, Any] = {}
     compiled_codes: list[types.CodeType] = []
-    build_guards = guards.CheckFunctionManager.__init__
-
-    def record_scope(self: Any, code: Any, output_graph: Any, *a: Any, **k: Any):
-        # The frame whose guards follow: ``G[...]`` means its module's globals.
-        frame["globals"] = output_graph.global_scope
-        compiled_codes.append(code)
-        build_guards(self, code, output_graph, *a, **k)
-
-    def keep(entries: Sequence[Any]) -> list[bool]:
-        if reads.effects:
-            _refuse_effects(fn, reads.effects)
-        _record(reads, entries, frame["globals"], copied_fn)
-        return [True] * len(entries)
-
-    store_attr = side_effects.SideEffects.store_attr
-    mutation = side_effects.SideEffects.mutation
-
-    def recording_store_attr(self: Any, item: Any, name: str, *a: Any, **k: Any):
-        _note_effect(reads, item, name)
-        return store_attr(self, item, name, *a, **k)
-
-    def recording_mutation(self: Any, var: Any) -> None:
-        _note_effect(reads, var, None)
-        return mutation(self, var)
-
-    # A backend of this pass's own: Dynamo reuses a frame it compiled before (fn's
-    # own, after a graph break in it) only for the same backend, and a reused frame
-    # would not pass through ``keep`` again. It runs each graph with its collectives
-    # computed locally: the pass runs on one rank's copies, and must not wait for the
-    # other ranks (precompile_once captures on one rank only).
-    def run_eagerly(gm: torch.fx.GraphModule, example_inputs: object) -> Any:
-        return data_parallel.locally(gm)
-
-    # A fresh code object for the entry, for the same reason.
-    def entry(*args: object) -> object:
-        return copied_fn(*args)
-
-    entry.__code__ = entry.__code__.replace()
-    patches = [
-        (guards.CheckFunctionManager, "__init__", record_scope),
-        (side_effects.SideEffects, "store_attr", recording_store_attr),
-        (side_effects.SideEffects, "mutation", recording_mutation),
-    ]
+    patches, keep = _recording_patches(reads, fn, copied_fn, compiled_codes)
+    entry, run_eagerly = _pass_entry(copied_fn), _pass_backend()
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in patches:
             stack.enter_context(_patched(owner, name, replacement))
@@ -277,6 +234,76 @@ def _dynamo_pass(
             # each capture of the same function would add to their count.
             for code in compiled_codes:
                 torch._dynamo.eval_frame.reset_code(code)
+
+
+def _recording_patches(
+    reads: _Reads,
+    fn: Callable[..., object],
+    copied_fn: Callable[..., object],
+    compiled_codes: list[types.CodeType],
+) -> tuple[list[tuple[object, str, object]], Callable[[Sequence[Any]], list[bool]]]:
+    """The replacements of Dynamo's methods that note each compiled frame's scope
+    and every mutation into ``reads``, and the guard filter that records a frame's
+    guards as reads."""
+    from torch._dynamo import guards, side_effects
+
+    frame: dict[str, Any] = {}
+    build_guards = guards.CheckFunctionManager.__init__
+
+    def record_scope(self: Any, code: Any, output_graph: Any, *a: Any, **k: Any):
+        # The frame whose guards follow: ``G[...]`` means its module's globals.
+        frame["globals"] = output_graph.global_scope
+        compiled_codes.append(code)
+        build_guards(self, code, output_graph, *a, **k)
+
+    def keep(entries: Sequence[Any]) -> list[bool]:
+        if reads.effects:
+            _refuse_effects(fn, reads.effects)
+        _record(reads, entries, frame["globals"], copied_fn)
+        return [True] * len(entries)
+
+    store_attr = side_effects.SideEffects.store_attr
+    mutation = side_effects.SideEffects.mutation
+
+    def recording_store_attr(self: Any, item: Any, name: str, *a: Any, **k: Any):
+        _note_effect(reads, item, name)
+        return store_attr(self, item, name, *a, **k)
+
+    def recording_mutation(self: Any, var: Any) -> None:
+        _note_effect(reads, var, None)
+        return mutation(self, var)
+
+    patches: list[tuple[object, str, object]] = [
+        (guards.CheckFunctionManager, "__init__", record_scope),
+        (side_effects.SideEffects, "store_attr", recording_store_attr),
+        (side_effects.SideEffects, "mutation", recording_mutation),
+    ]
+    return patches, keep
+
+
+def _pass_backend() -> Callable[..., Any]:
+    """A backend of the pass's own, new for each pass: Dynamo reuses a frame it
+    compiled before (fn's own, after a graph break in it) only for the same backend,
+    and a reused frame would not pass through the guard filter again."""
+
+    # It runs each graph with its collectives computed locally: the pass runs on one
+    # rank's copies, and must not wait for the other ranks (precompile_once captures
+    # on one rank only).
+    def run_eagerly(gm: torch.fx.GraphModule, example_inputs: object) -> Any:
+        return data_parallel.locally(gm)
+
+    return run_eagerly
+
+
+def _pass_entry(copied_fn: Callable[..., object]) -> Callable[..., object]:
+    """What the pass compiles: ``copied_fn`` behind a fresh code object, for the
+    same reason as its backend."""
+
+    def entry(*args: object) -> object:
+        return copied_fn(*args)
+
+    entry.__code__ = entry.__code__.replace()
+    return entry
 
 
 @contextlib.contextmanager
@@ -518,15 +545,7 @@ def _path(
         ) and not isinstance(source, sources.AttrSource)
         known = values_by_name.get(source.name)
         if known is not None and id(known) in roots and steps:
-            position, prefix = roots[id(known)]
-            if prefix == "<optimizer>":
-                return None
-            accessors = prefix + "".join(reversed(steps))
-            if prefix == "" and "." not in accessors:
-                return None  # a leaf of an input, which the leaf checks cover
-            if accessors.endswith(".training") and isinstance(known, torch.nn.Module):
-                return None
-            return f"argument {position}: {accessors}"
+            return _argument_path(known, roots[id(known)], steps)
         if wrapper:
             source = cast(Any, source).base
             continue
@@ -534,18 +553,40 @@ def _path(
             return _closure_path(source.local_name, values_by_name, fn, steps)
         if isinstance(source, sources.GlobalSource):
             return _global_path(source.global_name, frame_globals, steps)
-        if isinstance(source, sources.CellContentsSource):
-            steps.append(".cell_contents")
-        elif isinstance(source, sources.AttrSource):
-            steps.append(f".{source.member}")
-        elif isinstance(source, sources.ClosureSource):
-            steps.append(".__closure__")
-        elif isinstance(source, (sources.GetItemSource, sources.DictGetItemSource)):
-            steps.append(_item(source.index))
-        else:
-            raise _Unresolved(source.name)
+        steps.append(_step(source))
         source = source.base
         _collapse_member_dicts(steps)
+
+
+def _argument_path(
+    known: object, root: tuple[int, str], steps: list[str]
+) -> str | None:
+    """The path of a value reached from an argument (or a submodule of one) at
+    ``root``, or None when another check of the artifact covers it."""
+    position, prefix = root
+    if prefix == "<optimizer>":
+        return None
+    accessors = prefix + "".join(reversed(steps))
+    if prefix == "" and "." not in accessors:
+        return None  # a leaf of an input, which the leaf checks cover
+    if accessors.endswith(".training") and isinstance(known, torch.nn.Module):
+        return None
+    return f"argument {position}: {accessors}"
+
+
+def _step(source: Any) -> str:
+    """The accessor ``source`` applies to its base, as the path writes it."""
+    from torch._dynamo import source as sources
+
+    if isinstance(source, sources.CellContentsSource):
+        return ".cell_contents"
+    if isinstance(source, sources.AttrSource):
+        return f".{source.member}"
+    if isinstance(source, sources.ClosureSource):
+        return ".__closure__"
+    if isinstance(source, (sources.GetItemSource, sources.DictGetItemSource)):
+        return _item(source.index)
+    raise _Unresolved(source.name)
 
 
 _MEMBER_DICTS = (".__dict__", "._modules", "._parameters", "._buffers")

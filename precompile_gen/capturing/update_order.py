@@ -92,15 +92,24 @@ def hoist_updates(gm: torch.fx.GraphModule, updated: set[int]) -> None:
                 last_touch[s] = node
         for s in written:
             last_write[s] = node
-    ordered = sorted(nodes, key=keys.__getitem__)
+    _reorder(nodes, placeholders, sorted(nodes, key=keys.__getitem__))
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _reorder(
+    nodes: list[torch.fx.Node],
+    placeholders: list[torch.fx.Node],
+    ordered: list[torch.fx.Node],
+) -> None:
+    """Move the graph's ``nodes`` into the order ``ordered``, after its
+    placeholders."""
     if placeholders:
         placeholders[-1].append(ordered[0])
     elif ordered[0] is not nodes[0]:
         nodes[0].prepend(ordered[0])
     for previous, node in itertools.pairwise(ordered):
         previous.append(node)
-    gm.graph.lint()
-    gm.recompile()
 
 
 def _anchor(

@@ -189,7 +189,7 @@ def all_features_capture(backend: Backend) -> CaptureResult:
     two module arguments, an optimizer, a nested input (an input leaf in a fixed
     layout and a scalar besides) too."""
     stub = stub_capture(backend)
-    return dataclasses.replace(
+    capture = dataclasses.replace(
         stub,
         num_positional_args=5,
         argument_names=["encoder", "x", "head", "extras", "opt"],
@@ -203,25 +203,7 @@ def all_features_capture(backend: Backend) -> CaptureResult:
                 position=2, training=[False], hooks={"": {"forward pre-hook": 1}}
             ),
         ],
-        optimizers=[
-            OptimizerArgument(
-                position=4,
-                name="SGD",
-                groups=[
-                    ParamGroup(
-                        [0],
-                        {"momentum": 0.9, "dampening": 0.1},
-                        ("torch.float32", "cpu"),
-                    )
-                ],
-                steps=True,
-                state=[
-                    OptimizerStateTensor(
-                        0, "momentum_buffer", (4, 4), "torch.float32", "cpu", (4, 1)
-                    ),
-                ],
-            )
-        ],
+        optimizers=[_all_features_optimizer()],
         params=[stub.params[0]._replace(name="m0.weight")],
         buffers=[stub.buffers[0]._replace(name="m0.running_mean")],
         leaves=[
@@ -231,23 +213,65 @@ def all_features_capture(backend: Backend) -> CaptureResult:
         ],
         in_spec=_NESTED_INPUT_SPEC,
         in_structure="(*, {'x': *, 'scale': *})",
-        # AOTAutograd merged aliased inputs: Inductor's are not the graph's.
-        graph=dataclasses.replace(
-            stub.graph,
-            input_names=[
-                "p_m0_weight",
-                "b_m0_running_mean",
-                "x",
-                "extras_x",
-                "extras_scale",
-                "opt_m0_weight_momentum_buffer",
-                "opt_group0_lr",
-                "literal0",
-            ],
-            positional_names=[],
-        ),
+        graph=_all_features_graph(stub.graph),
         pytree_types=["inspect:FullArgSpec"],
         mutated_inputs=[1, 3],
+        sparse_gradients=SparseGradients(
+            params=[0],
+            positions=[0],
+            num_pieces=2,
+            source=format_python(_SPARSE_GRADIENTS_STUB),
+        ),
+        deferred_steps=[DeferredStep(position=4, name="SGD", params=[0])],
+    )
+    return _distributed(capture)
+
+
+def _all_features_optimizer() -> OptimizerArgument:
+    """The all-features capture's SGD: momentum, so it steps with state."""
+    return OptimizerArgument(
+        position=4,
+        name="SGD",
+        groups=[
+            ParamGroup(
+                [0],
+                {"momentum": 0.9, "dampening": 0.1},
+                ("torch.float32", "cpu"),
+            )
+        ],
+        steps=True,
+        state=[
+            OptimizerStateTensor(
+                0, "momentum_buffer", (4, 4), "torch.float32", "cpu", (4, 1)
+            ),
+        ],
+    )
+
+
+def _all_features_graph(graph: CompiledGraph) -> CompiledGraph:
+    # AOTAutograd merged aliased inputs: Inductor's are not the graph's.
+    return dataclasses.replace(
+        graph,
+        input_names=[
+            "p_m0_weight",
+            "b_m0_running_mean",
+            "x",
+            "extras_x",
+            "extras_scale",
+            "opt_m0_weight_momentum_buffer",
+            "opt_group0_lr",
+            "literal0",
+        ],
+        positional_names=[],
+    )
+
+
+def _distributed(capture: CaptureResult) -> CaptureResult:
+    """``capture`` with a process group, a DDP argument and DTensor inputs."""
+    # The eager backend replays DTensor ops; only inductor computes on shards.
+    eager = capture.backend == "eager"
+    return dataclasses.replace(
+        capture,
         process_groups=[{"name": "0", "backend": "gloo", "ranks": [0, 1]}],
         data_parallel=[
             {
@@ -261,23 +285,15 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             0: DTensorLayout((2,), ("Shard(dim=0)",)),
             2: DTensorLayout((2,), ("Replicate()",)),
         },
-        # The eager backend replays DTensor ops; only inductor computes on shards.
         shard_inputs={}
-        if backend == "eager"
+        if eager
         else {
             0: ShardInput(("0",), ("Shard(dim=0)",)),
             2: ShardInput(("0",), ("Replicate()",)),
         },
         shard_outputs={}
-        if backend == "eager"
+        if eager
         else {0: ShardOutput(("Partial(sum)",), (2, 4), (4, 1))},
-        sparse_gradients=SparseGradients(
-            params=[0],
-            positions=[0],
-            num_pieces=2,
-            source=format_python(_SPARSE_GRADIENTS_STUB),
-        ),
-        deferred_steps=[DeferredStep(position=4, name="SGD", params=[0])],
     )
 
 

@@ -19,6 +19,7 @@ import io
 import logging
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -109,36 +110,50 @@ def _feed_canonical(update: Callable[[bytes], object], value: object) -> None:
     pending: list[object] = [value]
     while pending:
         item = pending.pop()
-        if item is None:
-            update(b"N")
-        elif isinstance(item, bool):
-            update(b"T" if item else b"F")
-        elif isinstance(item, int):
-            data = item.to_bytes((item.bit_length() + 8) // 8, "big", signed=True)
-            update(b"I" + _length(len(data)) + data)
-        elif isinstance(item, float):
-            update(b"D" + struct.pack(">d", item))
-        elif isinstance(item, str):
-            data = item.encode("utf-8", "surrogatepass")
-            update(b"S" + _length(len(data)) + data)
-        elif isinstance(item, bytes):
-            update(b"B" + _length(len(item)) + item)
-        elif isinstance(item, list | tuple | dict):
-            if id(item) in seen:
-                raise TypeError("a container referenced more than once")
-            seen.add(id(item))
-            if isinstance(item, dict):
-                keys = list(item)
-                if not all(isinstance(k, str) for k in keys):
-                    raise TypeError("a dict with a key that is not a str")
-                update(b"M" + _length(len(keys)))
-                for k in sorted(keys, reverse=True):
-                    pending.extend((item[k], k))
-            else:
-                update((b"L" if isinstance(item, list) else b"U") + _length(len(item)))
-                pending.extend(reversed(item))
+        # No value is both a container and a scalar: their layouts cannot combine.
+        if isinstance(item, list | tuple | dict):
+            update(_open_container(item, seen, pending))
         else:
-            raise TypeError(f"a value of type {type(item).__name__}")
+            update(_scalar(item))
+
+
+def _scalar(item: object) -> bytes:
+    """The encoding of a value that is not a container."""
+    if item is None:
+        return b"N"
+    if isinstance(item, bool):
+        return b"T" if item else b"F"
+    if isinstance(item, int):
+        data = item.to_bytes((item.bit_length() + 8) // 8, "big", signed=True)
+        return b"I" + _length(len(data)) + data
+    if isinstance(item, float):
+        return b"D" + struct.pack(">d", item)
+    if isinstance(item, str):
+        data = item.encode("utf-8", "surrogatepass")
+        return b"S" + _length(len(data)) + data
+    if isinstance(item, bytes):
+        return b"B" + _length(len(item)) + item
+    raise TypeError(f"a value of type {type(item).__name__}")
+
+
+def _open_container(
+    item: list[Any] | tuple[Any, ...] | dict[Any, Any],
+    seen: set[int],
+    pending: list[object],
+) -> bytes:
+    """A container's tag and count; its content goes onto ``pending``, last first."""
+    if id(item) in seen:
+        raise TypeError("a container referenced more than once")
+    seen.add(id(item))
+    if isinstance(item, dict):
+        keys = list(item)
+        if not all(isinstance(k, str) for k in keys):
+            raise TypeError("a dict with a key that is not a str")
+        for k in sorted(keys, reverse=True):
+            pending.extend((item[k], k))
+        return b"M" + _length(len(keys))
+    pending.extend(reversed(item))
+    return (b"L" if isinstance(item, list) else b"U") + _length(len(item))
 
 
 def _length(n: int) -> bytes:

@@ -95,24 +95,7 @@ def _reject_rebinding(module: ast.Module) -> None:
     read here differ from those the executed artifact uses."""
     bindings: dict[str, list[int]] = {}
     for node in ast.walk(module):
-        names: list[tuple[str, int]] = []
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            names.append((node.id, node.lineno))
-        elif isinstance(node, ast.alias):
-            bound = node.asname or node.name.partition(".")[0]
-            names.append((bound, getattr(node, "lineno", 0)))
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names.append((node.name, node.lineno))
-        elif isinstance(node, ast.Global | ast.Nonlocal):
-            names.extend((name, node.lineno) for name in node.names)
-        # ``except E as NAME`` and match-case captures bind a bare name, not an
-        # ast.Name node.
-        elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar):
-            if node.name is not None:
-                names.append((node.name, node.lineno))
-        elif isinstance(node, ast.MatchMapping) and node.rest is not None:
-            names.append((node.rest, node.lineno))
-        for name, line in names:
+        for name, line in _bound_names(node):
             if name in METADATA_NAMES:
                 bindings.setdefault(name, []).append(line)
     for name, lines in bindings.items():
@@ -123,6 +106,28 @@ def _reject_rebinding(module: ast.Module) -> None:
                 f"{lines}); an artifact assigns each exactly once. Pass the "
                 "python_code returned by precompile()."
             )
+
+
+def _bound_names(node: ast.AST) -> list[tuple[str, int]]:
+    """The names ``node`` binds, each with its line."""
+    names: list[tuple[str, int]] = []
+    if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+        names.append((node.id, node.lineno))
+    elif isinstance(node, ast.alias):
+        bound = node.asname or node.name.partition(".")[0]
+        names.append((bound, getattr(node, "lineno", 0)))
+    elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        names.append((node.name, node.lineno))
+    elif isinstance(node, ast.Global | ast.Nonlocal):
+        names.extend((name, node.lineno) for name in node.names)
+    # ``except E as NAME`` and match-case captures bind a bare name, not an
+    # ast.Name node.
+    elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar):
+        if node.name is not None:
+            names.append((node.name, node.lineno))
+    elif isinstance(node, ast.MatchMapping) and node.rest is not None:
+        names.append((node.rest, node.lineno))
+    return names
 
 
 def load(

@@ -13,6 +13,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
+from typing import TypeAlias
 
 from precompile_gen.runtime.errors import PrecompileError
 
@@ -72,6 +73,9 @@ examples:
   precompile-gen stubs build/stubs
   precompile-gen stubs build/stubs && pyrefly check -c pyproject.toml build/stubs/*.py
 """
+
+# What add_subparsers returns: each command adds its own parser to it.
+_Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 # diff's 1 means "they differ", so its errors exit 2, as diff(1)'s do.
 _ERROR_EXIT = {"diff": 2}
@@ -186,7 +190,6 @@ def _wrap(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="precompile-gen",
         description=_wrap(
@@ -194,10 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
             "inspect, verify and compare those artifacts."
         ),
         epilog=_EPILOG,
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(commands)
+    _add_inspect(commands)
+    _add_verify(commands)
+    _add_diff(commands)
+    _add_stubs(commands)
+    return parser
 
+
+def _add_demo(commands: _Commands) -> None:
     demo = commands.add_parser(
         "demo",
         help="precompile a small CNN training step and check it against eager",
@@ -208,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
             "stage took."
         ),
         epilog=_DEMO_EPILOG,
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     demo.add_argument(
@@ -216,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo)
 
+
+def _add_inspect(commands: _Commands) -> None:
     inspect = commands.add_parser(
         "inspect",
         help="show what an artifact holds and expects, without executing it",
@@ -226,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
             "size of each section."
         ),
         epilog=_INSPECT_EPILOG,
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     inspect.add_argument("artifact", metavar="ARTIFACT", help="the artifact (.py)")
     inspect.add_argument(
@@ -234,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(run=_inspect)
 
+
+def _add_verify(commands: _Commands) -> None:
     verify = commands.add_parser(
         "verify",
         help="check that an artifact and a cache belong together",
@@ -243,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
             "the kernel binaries' digests, and the signature when a key is given."
         ),
         epilog=_VERIFY_EPILOG,
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("artifact", metavar="ARTIFACT", help="the artifact (.py)")
     verify.add_argument("cache", metavar="CACHE", help="the cache (.cache)")
@@ -258,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.set_defaults(run=_verify)
 
+
+def _add_diff(commands: _Commands) -> None:
     diff = commands.add_parser(
         "diff",
         help="compare two artifacts section by section",
@@ -267,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
             "constant. For reviewing template changes and regenerated goldens."
         ),
         epilog=_DIFF_EPILOG,
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     diff.add_argument("a", metavar="A", help="the old artifact (.py)")
     diff.add_argument("b", metavar="B", help="the new artifact (.py)")
@@ -285,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diff.set_defaults(run=_diff)
 
+
+def _add_stubs(commands: _Commands) -> None:
     stubs = commands.add_parser(
         "stubs",
         help="render every template into .py files for type checking",
@@ -293,11 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
             "typed stand-in for the compiled graph, for `pyrefly check OUT_DIR`."
         ),
         epilog=_STUBS_EPILOG,
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     stubs.add_argument("out_dir", help="folder for the stub files (created)")
     stubs.set_defaults(run=_stubs)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

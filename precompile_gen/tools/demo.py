@@ -98,11 +98,38 @@ def run(
 
     Returns the check's results, the pair's paths and sizes, and each stage's seconds.
     """
+    progress = progress if progress is not None else Progress()
+    stages: list[tuple[str, float]] = []
+    python_code, cache, times = _precompile_example(backend, progress, stages)
+    artifact_path, cache_path = out_dir / ARTIFACT_NAME, out_dir / CACHE_NAME
+    with progress.stage(f"writing {artifact_path} and {cache_path}"):
+        start = time.perf_counter()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        artifact_path.write_text(python_code, encoding="utf-8")
+        cache_path.write_bytes(cache)
+        stages.append(("write the pair", time.perf_counter() - start))
+    report = _check_in_fresh_process(out_dir, progress, stages)
+    report.update(
+        backend=backend,
+        artifact=str(artifact_path),
+        cache=str(cache_path),
+        precompile_seconds=stages[0][1],
+        precompile_stages=list(times.seconds.items()),
+        artifact_bytes=len(python_code.encode()),
+        cache_bytes=len(cache),
+        stages=stages,
+    )
+    return report
+
+
+def _precompile_example(
+    backend: str, progress: Progress, stages: list[tuple[str, float]]
+) -> tuple[str, bytes, timings.StageTimes]:
+    """The example's pair, with its seconds appended to ``stages`` and precompile's
+    own stages recorded."""
     from precompile_gen import precompile
 
-    progress = progress if progress is not None else Progress()
     model, images, labels = example()
-    stages: list[tuple[str, float]] = []
     with (
         progress.stage(f"precompiling train_step (backend={backend!r})"),
         # precompile's own recording adds its stages (capture, lowering, ...) to
@@ -114,13 +141,14 @@ def run(
             train_step, model, optimizer(model), images, labels, backend=backend
         )
         stages.append(("precompile", time.perf_counter() - start))
-    artifact_path, cache_path = out_dir / ARTIFACT_NAME, out_dir / CACHE_NAME
-    with progress.stage(f"writing {artifact_path} and {cache_path}"):
-        start = time.perf_counter()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        artifact_path.write_text(python_code, encoding="utf-8")
-        cache_path.write_bytes(cache)
-        stages.append(("write the pair", time.perf_counter() - start))
+    return python_code, cache, times
+
+
+def _check_in_fresh_process(
+    out_dir: Path, progress: Progress, stages: list[tuple[str, float]]
+) -> dict[str, Any]:
+    """``check``'s report from a fresh process, with the process's stages appended
+    to ``stages``."""
     with progress.stage("reloading in a fresh process and comparing with eager"):
         start = time.perf_counter()
         checked = subprocess.run(
@@ -145,16 +173,6 @@ def run(
         ("fresh process: load + first call", report["reload_first_result_seconds"]),
         ("fresh process: compare with eager", report["compare_seconds"]),
     ]
-    report.update(
-        backend=backend,
-        artifact=str(artifact_path),
-        cache=str(cache_path),
-        precompile_seconds=stages[0][1],
-        precompile_stages=list(times.seconds.items()),
-        artifact_bytes=len(python_code.encode()),
-        cache_bytes=len(cache),
-        stages=stages,
-    )
     return report
 
 
@@ -230,6 +248,27 @@ def check(out_dir: Path) -> dict[str, object]:
             schedule.step()
         compare_seconds += time.perf_counter() - start
     start = time.perf_counter()
+    state_checked = _compare_models(
+        model, reference_model, model_optimizer, reference_optimizer
+    )
+    return {
+        "losses": losses,
+        "params_checked": len(list(model.parameters())),
+        "state_checked": state_checked,
+        "buffers_checked": len(list(model.buffers())),
+        "reload_first_result_seconds": first_result_seconds,
+        "compare_seconds": compare_seconds + time.perf_counter() - start,
+    }
+
+
+def _compare_models(
+    model: nn.Module,
+    reference_model: nn.Module,
+    model_optimizer: torch.optim.Optimizer,
+    reference_optimizer: torch.optim.Optimizer,
+) -> int:
+    """Compare the parameters, their gradients, the optimizer's state and the buffers
+    with eager's; how many optimizer state tensors were compared."""
     state_checked = 0
     for (name, got), want in zip(
         model.named_parameters(), reference_model.parameters(), strict=True
@@ -247,14 +286,7 @@ def check(out_dir: Path) -> dict[str, object]:
         model.named_buffers(), reference_model.named_buffers(), strict=True
     ):
         torch.testing.assert_close(got, want, msg=f"buffer {name}")
-    return {
-        "losses": losses,
-        "params_checked": len(list(model.parameters())),
-        "state_checked": state_checked,
-        "buffers_checked": len(list(model.buffers())),
-        "reload_first_result_seconds": first_result_seconds,
-        "compare_seconds": compare_seconds + time.perf_counter() - start,
-    }
+    return state_checked
 
 
 if __name__ == "__main__":

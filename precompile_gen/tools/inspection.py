@@ -103,6 +103,9 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
     num_args = cast(int, metadata["NUM_POSITIONAL_ARGS"])
     module_positions = cast(list[int], metadata["MODULE_POSITIONS"])
     user_inputs = _user_inputs(metadata)
+    leaves = [
+        leaf["leaf"] for leaf in cast(list[dict[str, str]], user_inputs["leaves"])
+    ]
     return {
         "artifact": path,
         "fn_name": fn_name,
@@ -127,260 +130,307 @@ def inspect_artifact(python_code: str, path: str = "python_code") -> dict[str, A
         "data_parallel": metadata.get("DATA_PARALLEL", []),
         "module_state": _module_state(metadata),
         "user_inputs": user_inputs,
-        "aliased_inputs": _aliased_inputs(
-            metadata,
-            [
-                leaf["leaf"]
-                for leaf in cast(list[dict[str, str]], user_inputs["leaves"])
-            ],
-        ),
+        "aliased_inputs": _aliased_inputs(metadata, leaves),
         # The DTensor inputs, by name: [name, mesh shape, placements].
-        "dtensors": _dtensors(
-            metadata,
-            [
-                leaf["leaf"]
-                for leaf in cast(list[dict[str, str]], user_inputs["leaves"])
-            ],
-        ),
-        # With DTensors on inductor: how many DTensor inputs and results the compiled
-        # graph takes and returns as local shards.
-        "local_shards": [
-            len(cast(dict[int, object], metadata.get("SHARD_INPUTS") or {})),
-            len(cast(dict[int, object], metadata.get("SHARD_OUTPUTS") or {})),
-        ],
+        "dtensors": _dtensors(metadata, leaves),
+        "local_shards": _local_shards(metadata),
         "output": _output(metadata),
         "graph": _graph(section_statements(module, graph), metadata),
         "kernel_binaries": _pinned_binaries(metadata),
-        "sections": [
-            {
-                "key": section.key,
-                "name": section.key
-                if section.number is None
-                else f"{section.number}. {section.key}",
-                "title": section.label(),
-                "first_line": section.first_line,
-                "lines": len(section.lines),
-                "bytes": len(section.text.encode("utf-8", "surrogatepass")),
-            }
-            for section in sections
-        ],
+        "sections": [_section(section) for section in sections],
+    }
+
+
+def _local_shards(metadata: dict[str, object]) -> list[int]:
+    """With DTensors on inductor: how many DTensor inputs and results the compiled
+    graph takes and returns as local shards."""
+    return [
+        len(cast(dict[int, object], metadata.get("SHARD_INPUTS") or {})),
+        len(cast(dict[int, object], metadata.get("SHARD_OUTPUTS") or {})),
+    ]
+
+
+def _section(section: Section) -> dict[str, object]:
+    """Where one section of the artifact sits, and its size."""
+    return {
+        "key": section.key,
+        "name": section.key
+        if section.number is None
+        else f"{section.number}. {section.key}",
+        "title": section.label(),
+        "first_line": section.first_line,
+        "lines": len(section.lines),
+        "bytes": len(section.text.encode("utf-8", "surrogatepass")),
     }
 
 
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable form of ``inspect_artifact``'s result."""
-    out: list[str] = []
+    out = [
+        *_summary_lines(report),
+        *_module_lines(report),
+        *_optimizer_lines(report),
+        *_process_group_lines(report),
+        *_python_value_lines(report),
+        *_state_lines(report),
+        *_user_input_lines(report),
+        *_aliased_input_lines(report),
+        *_dtensor_lines(report),
+        *_graph_lines(report),
+        *_section_lines(report),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def _summary_lines(report: dict[str, Any]) -> list[str]:
+    """The artifact, its function's signature, backend and what a call returns."""
     output = report["output"]
-    graph = report["graph"]
-    out.append(f"artifact   {report['artifact']}")
-    out.append(f"function   {report['signature']}")
-    out.append(f"backend    {report['backend']}")
     result = f"{output['structure']} ({_count(output['leaves'], 'leaf', 'leaves')})"
     if output["harvested_grads"]:
         result += (
             f", plus {_count(output['harvested_grads'], 'parameter gradient')} "
             "added to .grad"
         )
-    out.append(f"returns    {result}")
-    out.append("")
-    out.append("modules")
-    out.extend(
-        _table(
-            ["argument", "names", "mode", "hooks", "parameters", "buffers", "elements"],
-            [
-                [
-                    str(m["position"]),
-                    f"{m['prefix']}*",
-                    str(m["mode"]),
-                    str(m["hooks"]),
-                    str(m["parameters"]),
-                    str(m["buffers"]),
-                    f"{m['elements']:,}",
-                ]
-                for m in report["modules"]
-            ],
-        )
+    return [
+        f"artifact   {report['artifact']}",
+        f"function   {report['signature']}",
+        f"backend    {report['backend']}",
+        f"returns    {result}",
+        "",
+    ]
+
+
+def _module_lines(report: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            str(m["position"]),
+            f"{m['prefix']}*",
+            str(m["mode"]),
+            str(m["hooks"]),
+            str(m["parameters"]),
+            str(m["buffers"]),
+            f"{m['elements']:,}",
+        ]
+        for m in report["modules"]
+    ]
+    headers = ["argument", "names", "mode", "hooks", "parameters", "buffers"]
+    return ["modules", *_table([*headers, "elements"], rows), ""]
+
+
+def _optimizer_lines(report: dict[str, Any]) -> list[str]:
+    if not report["optimizers"]:
+        return []
+    rows = [
+        _optimizer_group_row(o, number, group)
+        for o in report["optimizers"]
+        for number, group in enumerate(o["groups"])
+    ]
+    return [
+        "optimizers (each call passes every group's lr; the rest is fixed)",
+        *_table(["argument", "class", "group", "parameters", "state", "options"], rows),
+        "",
+    ]
+
+
+def _optimizer_group_row(
+    optimizer: dict[str, Any], number: int, group: dict[str, Any]
+) -> list[str]:
+    """One parameter group's row; the optimizer's own cells only on its first."""
+    options = ", ".join(f"{k}={v!r}" for k, v in group["options"].items())
+    parameters = _count(len(group["params"]), "parameter")
+    if number != 0:
+        return ["", "", str(number), parameters, "", options]
+    state = (
+        f"{optimizer['state_tensors']} tensors: "
+        + ", ".join(optimizer["state_keys"] or ["none"])
+        if optimizer["steps"]
+        else "zero_grad() only"
     )
-    out.append("")
-    if report["optimizers"]:
-        out.append("optimizers (each call passes every group's lr; the rest is fixed)")
-        out.extend(
-            _table(
-                ["argument", "class", "group", "parameters", "state", "options"],
-                [
-                    [
-                        str(o["position"]) if number == 0 else "",
-                        o["class"] if number == 0 else "",
-                        str(number),
-                        _count(len(group["params"]), "parameter"),
-                        (
-                            f"{o['state_tensors']} tensors: "
-                            + ", ".join(o["state_keys"] or ["none"])
-                            if o["steps"]
-                            else "zero_grad() only"
-                        )
-                        if number == 0
-                        else "",
-                        ", ".join(f"{k}={v!r}" for k, v in group["options"].items()),
-                    ]
-                    for o in report["optimizers"]
-                    for number, group in enumerate(o["groups"])
-                ],
+    return [
+        str(optimizer["position"]),
+        optimizer["class"],
+        str(number),
+        parameters,
+        state,
+        options,
+    ]
+
+
+def _process_group_lines(report: dict[str, Any]) -> list[str]:
+    if not report["process_groups"]:
+        return []
+    rows = [
+        [
+            g["name"],
+            g["backend"],
+            str(g["ranks"]),
+            ", ".join(
+                f"argument {d['position']} (bucket_cap_mb={d['bucket_cap_mb']})"
+                for d in report["data_parallel"]
+                if d["group"] == g["name"]
             )
-        )
-        out.append("")
-    if report["process_groups"]:
-        out.append(
-            "process groups the graph communicates over (each call must have them)"
-        )
-        out.extend(
-            _table(
-                ["name", "backend", "global ranks", "DistributedDataParallel"],
-                [
-                    [
-                        g["name"],
-                        g["backend"],
-                        str(g["ranks"]),
-                        ", ".join(
-                            f"argument {d['position']} "
-                            f"(bucket_cap_mb={d['bucket_cap_mb']})"
-                            for d in report["data_parallel"]
-                            if d["group"] == g["name"]
-                        )
-                        or "-",
-                    ]
-                    for g in report["process_groups"]
-                ],
-            )
-        )
-        out.append("")
-    if report["python_values"]:
-        out.append("Python values built into the graph (each call must bring the same)")
-        out.extend(_table(["path", "value"], report["python_values"]))
-        out.append("")
-    out.append("parameters and buffers")
+            or "-",
+        ]
+        for g in report["process_groups"]
+    ]
+    return [
+        "process groups the graph communicates over (each call must have them)",
+        *_table(["name", "backend", "global ranks", "DistributedDataParallel"], rows),
+        "",
+    ]
+
+
+def _python_value_lines(report: dict[str, Any]) -> list[str]:
+    if not report["python_values"]:
+        return []
+    return [
+        "Python values built into the graph (each call must bring the same)",
+        *_table(["path", "value"], report["python_values"]),
+        "",
+    ]
+
+
+def _state_lines(report: dict[str, Any]) -> list[str]:
     state = report["module_state"]
     extra = _extra_keys(state, {"name", "kind", "shape", "stride", "dtype", "device"})
-    out.extend(
-        _table(
-            ["name", "kind", "shape", "stride", "dtype", "device", *extra, "grad"],
-            [
-                [
-                    s["name"],
-                    s["kind"],
-                    _shape_text(s["shape"]),
-                    _shape_text(s["stride"]),
-                    s["dtype"],
-                    s["device"],
-                    *(_cell(s.get(key)) for key in extra),
-                    "-" if s["kind"] == "buffer" else s["grad"],
-                ]
-                for s in state
-            ],
-        )
-        or ["  (none)"]
-    )
-    out.append("")
+    rows = [
+        [
+            s["name"],
+            s["kind"],
+            _shape_text(s["shape"]),
+            _shape_text(s["stride"]),
+            s["dtype"],
+            s["device"],
+            *(_cell(s.get(key)) for key in extra),
+            "-" if s["kind"] == "buffer" else s["grad"],
+        ]
+        for s in state
+    ]
+    headers = ["name", "kind", "shape", "stride", "dtype", "device", *extra, "grad"]
+    return ["parameters and buffers", *(_table(headers, rows) or ["  (none)"]), ""]
+
+
+def _user_input_lines(report: dict[str, Any]) -> list[str]:
     inputs = report["user_inputs"]
     leaves = inputs["leaves"]
     base = {"leaf", "tensor", "shape", "dynamic", "stride", "dtype", "device"}
     extra = _extra_keys(leaves, base)
-    out.append(f"user inputs (structure {inputs['structure']})")
-    out.extend(
-        _table(
-            ["leaf", "shape", "dynamic dims", "stride", "dtype", "device", *extra],
-            [
-                [
-                    leaf["leaf"],
-                    _shape_text(leaf["shape"]),
-                    _dynamic_text(leaf["dynamic"]),
-                    _shape_text(leaf["stride"]),
-                    leaf["dtype"] or "-",
-                    leaf["device"] or "-",
-                    *(_cell(leaf.get(key)) for key in extra),
-                ]
-                for leaf in leaves
-            ],
-        )
-        or ["  (none)"]
-    )
-    out.append("")
-    for group in report["aliased_inputs"]:
-        out.append(f"aliased inputs: {', '.join(group)} share one storage (as traced)")
-    if report["aliased_inputs"]:
-        out.append("")
-    for name, mesh_shape, placements in report["dtensors"]:
-        out.append(
-            f"DTensor input: {name}, placements ({', '.join(placements)}) on a mesh "
-            f"of shape {tuple(mesh_shape)}"
-        )
+    rows = [
+        [
+            leaf["leaf"],
+            _shape_text(leaf["shape"]),
+            _dynamic_text(leaf["dynamic"]),
+            _shape_text(leaf["stride"]),
+            leaf["dtype"] or "-",
+            leaf["device"] or "-",
+            *(_cell(leaf.get(key)) for key in extra),
+        ]
+        for leaf in leaves
+    ]
+    headers = ["leaf", "shape", "dynamic dims", "stride", "dtype", "device", *extra]
+    return [
+        f"user inputs (structure {inputs['structure']})",
+        *(_table(headers, rows) or ["  (none)"]),
+        "",
+    ]
+
+
+def _aliased_input_lines(report: dict[str, Any]) -> list[str]:
+    out = [
+        f"aliased inputs: {', '.join(group)} share one storage (as traced)"
+        for group in report["aliased_inputs"]
+    ]
+    return [*out, ""] if out else []
+
+
+def _dtensor_lines(report: dict[str, Any]) -> list[str]:
+    out = [
+        f"DTensor input: {name}, placements ({', '.join(placements)}) on a mesh "
+        f"of shape {tuple(mesh_shape)}"
+        for name, mesh_shape, placements in report["dtensors"]
+    ]
     shard_inputs, shard_outputs = report["local_shards"]
     if shard_inputs:
         out.append(
             f"local shards: the compiled graph takes {shard_inputs} DTensor inputs' "
             f"local shards and returns {shard_outputs} DTensor results' (as traced)"
         )
+    # The blank line closes the DTensor inputs' lines: shards come only with them.
     if report["dtensors"]:
         out.append("")
-    out.append("graph")
+    return out
+
+
+def _graph_lines(report: dict[str, Any]) -> list[str]:
+    graph = report["graph"]
+    out = ["graph", *_kernel_lines(report)]
+    if graph["extern_kernel_calls"]:
+        out.append(f"  extern kernels     {_counts(graph['extern_kernel_calls'])}")
+    out += _op_call_lines(graph["op_calls"])
+    out += _pinned_binary_lines(report)
+    return [*out, ""]
+
+
+def _kernel_lines(report: dict[str, Any]) -> list[str]:
+    graph = report["graph"]
     kernels = graph["kernels"]
-    if kernels:
-        kinds = _counts(graph["kernel_kinds"])
-        out.append(f"  kernels            {len(kernels)}: {kinds}")
-        out.extend(
-            f"                     {k['name']} ({k['kind']}, "
-            f"{k['source_chars']:,} characters, "
-            + (f"binary {k['binary']})" if k["binary"] else "no pinned binary)")
-            for k in kernels
-        )
-    else:
+    if not kernels:
         why = (
             " (the eager backend runs ATen operators)"
             if report["backend"] == "eager"
             else ""
         )
-        out.append(f"  kernels            none{why}")
-    if graph["extern_kernel_calls"]:
-        out.append(f"  extern kernels     {_counts(graph['extern_kernel_calls'])}")
-    ops = graph["op_calls"]
-    if ops:
-        out.append(
-            f"  operator calls     {_count(sum(ops.values()), 'call')} of "
-            f"{_count(len(ops), 'operator')}:"
-        )
-        out.extend(
-            textwrap.wrap(
-                _counts(ops),
-                width=88,
-                initial_indent=" " * 21,
-                subsequent_indent=" " * 21,
-                break_on_hyphens=False,
-            )
-        )
+        return [f"  kernels            none{why}"]
+    kinds = _counts(graph["kernel_kinds"])
+    return [
+        f"  kernels            {len(kernels)}: {kinds}",
+        *(
+            f"                     {k['name']} ({k['kind']}, "
+            f"{k['source_chars']:,} characters, "
+            + (f"binary {k['binary']})" if k["binary"] else "no pinned binary)")
+            for k in kernels
+        ),
+    ]
+
+
+def _op_call_lines(ops: dict[str, int]) -> list[str]:
+    if not ops:
+        return []
+    return [
+        f"  operator calls     {_count(sum(ops.values()), 'call')} of "
+        f"{_count(len(ops), 'operator')}:",
+        *textwrap.wrap(
+            _counts(ops),
+            width=88,
+            initial_indent=" " * 21,
+            subsequent_indent=" " * 21,
+            break_on_hyphens=False,
+        ),
+    ]
+
+
+def _pinned_binary_lines(report: dict[str, Any]) -> list[str]:
     pinned = report["kernel_binaries"]
     if pinned:
-        out.append(
+        return [
             f"  pinned binaries    {_count(len(pinned), 'file')} a cache may bring "
-            "(KERNEL_BINARIES):"
-        )
-        out.extend(
-            f"                     {b['file']}  sha256 {b['sha256'][:16]}..."
-            for b in pinned
-        )
-    elif report["backend"] == "inductor":
-        out.append("  pinned binaries    none: kernels always compile from source")
-    out.append("")
-    out.append("sections")
-    out.extend(
-        _table(
-            ["section", "first line", "lines", "bytes"],
-            [
-                [s["name"], str(s["first_line"]), str(s["lines"]), f"{s['bytes']:,}"]
-                for s in report["sections"]
-            ],
-        )
-    )
-    return "\n".join(out) + "\n"
+            "(KERNEL_BINARIES):",
+            *(
+                f"                     {b['file']}  sha256 {b['sha256'][:16]}..."
+                for b in pinned
+            ),
+        ]
+    if report["backend"] == "inductor":
+        return ["  pinned binaries    none: kernels always compile from source"]
+    return []
+
+
+def _section_lines(report: dict[str, Any]) -> list[str]:
+    rows = [
+        [s["name"], str(s["first_line"]), str(s["lines"]), f"{s['bytes']:,}"]
+        for s in report["sections"]
+    ]
+    return ["sections", *_table(["section", "first line", "lines", "bytes"], rows)]
 
 
 def _input_names(metadata: dict[str, object], leaves: list[str]) -> list[str]:
