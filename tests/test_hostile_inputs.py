@@ -324,41 +324,48 @@ text_mutations = st.lists(_text_operation, min_size=1, max_size=3)
 
 def _mutate_text(text: str, operations: list[tuple[Any, ...]]) -> str:
     for kind, *args in operations:
-        where = args[0] % (len(text) + 1) if isinstance(args[0], int) else 0
-        if kind == "truncate":
-            text = text[:where]
-        elif kind == "delete":
-            text = text[:where] + text[where + args[1] :]
-        elif kind == "insert":
-            text = text[:where] + args[1] + text[where:]
-        elif kind == "replace":
-            text = text[:where] + args[2] + text[where + args[1] :]
-        elif kind == "bytes":
-            # Non-UTF-8 bytes come back as lone surrogates: a str that no UTF-8
-            # file could hold.
-            data = bytearray(text.encode("utf-8", "surrogatepass"))
-            data[where : where + len(args[1])] = args[1]
-            text = bytes(data).decode("utf-8", "surrogateescape")
-        elif kind == "splice":
-            start = args[1] % (len(text) + 1)
-            text = text[:where] + text[start : start + args[2]] + text[where:]
-        elif kind == "metadata":
-            name, edit, value = args
-            lines = text.splitlines(keepends=True)
-            for i, line in enumerate(lines):
-                if line.startswith((f"{name}:", f"{name} =")):
-                    if edit == "delete":
-                        lines[i] = ""
-                    elif edit == "value":
-                        lines[i] = f"{name} = {value}\n"
-                    else:
-                        lines[i] = line + line
-                    break
-            text = "".join(lines)
-        else:
-            name, template = args
-            text = text + "\n" + template.format(name=name) + "\n"
+        if isinstance(args[0], int):
+            # Positions wrap around whatever length the text has reached.
+            args[0] %= len(text) + 1
+        text = _TEXT_EDITS[kind](text, *args)
     return text
+
+
+def _bytes(text: str, where: int, data: bytes) -> str:
+    # Non-UTF-8 bytes come back as lone surrogates: a str that no UTF-8 file
+    # could hold.
+    encoded = bytearray(text.encode("utf-8", "surrogatepass"))
+    encoded[where : where + len(data)] = data
+    return bytes(encoded).decode("utf-8", "surrogateescape")
+
+
+def _splice(text: str, where: int, start: int, length: int) -> str:
+    start %= len(text) + 1
+    return text[:where] + text[start : start + length] + text[where:]
+
+
+def _edit_metadata(text: str, name: str, edit: str, value: str) -> str:
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith((f"{name}:", f"{name} =")):
+            edited = {"delete": "", "value": f"{name} = {value}\n"}
+            lines[i] = edited.get(edit, line + line)
+            break
+    return "".join(lines)
+
+
+_TEXT_EDITS: dict[str, Callable[..., str]] = {
+    "truncate": lambda text, where: text[:where],
+    "delete": lambda text, where, n: text[:where] + text[where + n :],
+    "insert": lambda text, where, junk: text[:where] + junk + text[where:],
+    "replace": lambda text, where, n, junk: text[:where] + junk + text[where + n :],
+    "bytes": _bytes,
+    "splice": _splice,
+    "metadata": _edit_metadata,
+    "rebind": lambda text, name, template: (
+        text + "\n" + template.format(name=name) + "\n"
+    ),
+}
 
 
 def _check_metadata(python_code: str) -> None:
