@@ -13,7 +13,7 @@ from typing import cast
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
+from helpers.state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
 from torch import nn
 from torch._dynamo.decorators import mark_dynamic, mark_unbacked
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_golden import full_artifact
+from helpers.golden import full_artifact
 
 from precompile_gen.capture_result import InputLeaf
 from precompile_gen.codegen.render import render_artifact

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from state_snapshot import StateSnapshot
-from test_distributed import run_ranks
+from helpers.distributed import run_ranks
+from helpers.state_snapshot import StateSnapshot
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP

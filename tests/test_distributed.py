@@ -1,5 +1,6 @@
 """precompile_once on real process groups: gloo on localhost, one spawned process per
-rank. Each rank writes what it saw to ``rank{N}.json``; the test reads those files.
+rank (``run_ranks``). Each rank writes what it saw to ``rank{N}.json``; the test
+reads those files.
 
 Spawning costs an import of torch per rank (seconds on a small machine), so each test
 starts one group and runs its whole scenario in it.
@@ -8,11 +9,8 @@ starts one group and runs its whole scenario in it.
 from __future__ import annotations
 
 import copy
-import datetime
 import io
-import json
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,18 +19,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.distributed import run_ranks
 from torch import nn
 
 import precompile_gen as pg
 import precompile_gen.api as pg_api
 from precompile_gen.distributed import precompile_once
 
-# A hang shows up as the group's timeout (an error on the waiting rank) well before
-# the test's own deadline (the spawned processes are killed and the test fails).
-GROUP_TIMEOUT_S = 60
 # Time a failure on the source rank may take to reach every rank; far below the
-# group's timeout, so an error that arrived only by timing out fails the test.
+# group's timeout (GROUP_TIMEOUT_S of helpers.distributed), so an error that arrived
+# only by timing out fails the test.
 ERROR_ARRIVES_WITHIN_S = 20
 
 # How many captures this process made: precompile_once captures once, on the source
@@ -65,6 +61,8 @@ def counted_train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _counting_captures() -> None:
+    """Count this process's traces of counted_train_step in ``_traces``: called once,
+    first thing, by each scenario that reports the count."""
     traced = pg_api.trace
 
     def counting(*args: Any, **kwargs: Any) -> Any:
@@ -161,6 +159,7 @@ def each_rank_steps_its_own_optimizer(
 def loads_and_matches_eager(
     rank: int, src: int, backend: str, cache_dir: str | None
 ) -> dict[str, Any]:
+    _counting_captures()
     forward = precompile_once(
         counted_train_step,
         _model(),
@@ -229,6 +228,7 @@ def failures_reach_every_rank(rank: int, shared_dir: str) -> dict[str, Any]:
 def inductor_in_both_modes(rank: int, shared_dir: str) -> dict[str, Any]:
     """Broadcast, then shared folder; on a rank other than the source, list the
     kernel binaries its own inductor cache folder ends up with."""
+    _counting_captures()
     for cache_dir in (None, shared_dir):
         forward = precompile_once(
             counted_train_step,
@@ -256,74 +256,6 @@ def source_dies(rank: int) -> dict[str, Any]:
             step_that_kills_its_process, _model(), _batch(rank), src=1, backend="eager"
         )
     )
-
-
-def _rank_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    out_dir: str,
-    scenario: Callable[..., dict[str, Any]],
-    *args: object,
-) -> None:
-    """The spawned process: join the group, run ``scenario``, write its result."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    # Each rank its own kernel cache folder, as on separate machines.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(out_dir, f"inductor-{rank}")
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
-    )
-    _counting_captures()
-    try:
-        result = scenario(rank, *args)
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def run_ranks(
-    world_size: int,
-    out_dir: Path,
-    scenario: Callable[..., dict[str, Any]],
-    *args: object,
-    deadline_s: float = 150,
-) -> list[dict[str, Any] | None]:
-    """Run ``scenario`` on ``world_size`` spawned ranks; each rank's result, or None
-    for a rank that wrote none. Fails the test if a rank is still running after
-    ``deadline_s``, or if one raised."""
-    context = mp.start_processes(
-        _rank_main,
-        args=(world_size, _free_port(), str(out_dir), scenario, *args),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    assert context is not None  # join=False returns the running processes
-    deadline = time.monotonic() + deadline_s
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"a rank was still running after {deadline_s} s: it hangs")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    results: list[dict[str, Any] | None] = []
-    for rank in range(world_size):
-        path = out_dir / f"rank{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else None)
-    return results
 
 
 @pytest.mark.parametrize(("world_size", "src"), [(2, 0), (4, 2)])

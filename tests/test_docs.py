@@ -4,7 +4,6 @@ documented way to regenerate the goldens are current."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import re
 import shutil
@@ -12,6 +11,8 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+
+from helpers.golden import CASES, runtime_parts, split_runtime
 
 from precompile_gen.codegen.render import compose_runtime, render_artifact
 from precompile_gen.tools.inspection import format_report, inspect_artifact
@@ -116,8 +117,8 @@ def test_documented_golden_update_command_regenerates_the_goldens(
     copy.mkdir()
     for name in ("conftest.py", "test_golden.py"):
         shutil.copy(REPO_ROOT / "tests" / name, copy / name)
-    shutil.copytree(GOLDEN, copy / "golden")
-    shutil.copytree(REPO_ROOT / "tests" / "fixtures", copy / "fixtures")
+    for folder in ("golden", "fixtures", "helpers"):
+        shutil.copytree(REPO_ROOT / "tests" / folder, copy / folder)
     (copy / "golden" / "eager_inference.py").unlink()
     (copy / "golden" / "eager_train_step.py").write_text("stale\n", encoding="utf-8")
     result = subprocess.run(
@@ -136,17 +137,15 @@ def test_documented_golden_update_command_regenerates_the_goldens(
     assert result.returncode == 0, result.stdout + result.stderr
     # Each golden, the missing and the stale one included, is now exactly what
     # test_golden compares against (whether or not the committed goldens are current).
-    # The copy's module is the same file: its captures record their namedtuple and
-    # dataclass types under the same import path (test_golden:Pair), which the
-    # suite's own test_golden module serves.
-    golden_tests = importlib.import_module("test_golden")
-    cases = golden_tests.CASES
-    assert sorted(p.stem for p in (copy / "golden").glob("*.py")) == sorted(cases)
-    for name, case in cases.items():
+    # The copy's cases are the same module: their captures record their namedtuple
+    # and dataclass types under the same import path (helpers.golden:Pair), which this
+    # process's helpers.golden serves.
+    assert sorted(p.stem for p in (copy / "golden").glob("*.py")) == sorted(CASES)
+    for name, case in CASES.items():
         written = (copy / "golden" / f"{name}.py").read_text(encoding="utf-8")
-        golden, runtime = golden_tests.split_runtime(render_artifact(case()))
+        golden, runtime = split_runtime(render_artifact(case()))
         assert written == golden, name
-        parts = golden_tests.runtime_parts(golden)
+        parts = runtime_parts(golden)
         pinned = [copy / "golden" / "runtime" / f"{part}.py" for part in parts]
         texts = [path.read_text(encoding="utf-8") for path in pinned]
         assert compose_runtime(texts) == runtime

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import run_ranks
+from helpers.distributed import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard

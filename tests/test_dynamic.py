@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from state_snapshot import StateSnapshot, assert_same_state
+from helpers.state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from state_snapshot import StateSnapshot, assert_same_state
+from helpers.state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
 from torch.nn import functional as F
 

@@ -15,7 +15,7 @@ from typing import cast
 
 import pytest
 import torch
-from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
+from helpers.state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
 from torch import nn
 
 import precompile_gen as pg

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.linear_step import example_input, linear_model, train_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from linear_step import example_input, linear_model, train_step
 
 import precompile_gen as pg
 from precompile_gen.capture_result import BACKENDS, METADATA_NAMES

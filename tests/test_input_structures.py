@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
+from helpers.state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
 from torch import nn
 
 import precompile_gen as pg

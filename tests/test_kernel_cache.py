@@ -21,28 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from helpers.mlp_step import inputs, mlp, train_step
 
 import precompile_gen as pg
 from precompile_gen.runtime import kernel_binaries
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-
-
-def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    loss = nn.functional.mse_loss(model(x), target)
-    loss.backward()
-    return loss.detach()
-
-
-def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return torch.randn(3, 4, generator=generator), torch.randn(
-        3, 2, generator=generator
-    )
 
 
 @dataclass
@@ -54,7 +36,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair() -> Pair:
-    code, cache = pg.precompile(train_step, _model(), *_inputs())
+    code, cache = pg.precompile(train_step, mlp(), *inputs())
     envelope = torch.load(io.BytesIO(cache), weights_only=True)
     return Pair(code, cache, envelope)
 
@@ -74,9 +56,9 @@ def _with_payload(pair: Pair, payload: object) -> bytes:
 
 def _assert_matches_eager(forward: object) -> None:
     assert callable(forward)
-    model, reference = _model(), _model()
-    loss = forward(model, *_inputs())
-    expected = train_step(reference, *_inputs())
+    model, reference = mlp(), mlp()
+    loss = forward(model, *inputs())
+    expected = train_step(reference, *inputs())
     torch.testing.assert_close(loss, expected)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad)
@@ -130,13 +112,13 @@ def test_payload_carries_each_kernel_binary_with_its_digest(pair: Pair) -> None:
 _CHILD = """\
 import json, os, sys, torch, precompile_gen as pg
 sys.path.insert(0, {tests!r})
-from test_kernel_cache import _inputs, _model, train_step
+from helpers.mlp_step import inputs, mlp, train_step
 code = open({code!r}, encoding="utf-8").read()
 cache = open({cache!r}, "rb").read()
 forward = pg.load(code, cache)
-model, reference = _model(), _model()
-loss = forward(model, *_inputs())
-torch.testing.assert_close(loss, train_step(reference, *_inputs()))
+model, reference = mlp(), mlp()
+loss = forward(model, *inputs())
+torch.testing.assert_close(loss, train_step(reference, *inputs()))
 for got, want in zip(model.parameters(), reference.parameters(), strict=True):
     torch.testing.assert_close(got.grad, want.grad)
 print(json.dumps({{
@@ -338,13 +320,13 @@ def test_concurrent_first_calls_of_an_artifact_executed_on_its_own(pair: Pair) -
     exec(compile(pair.code, "<artifact>", "exec"), namespace)
     forward = namespace["forward"]
     assert callable(forward)
-    # The models are built here: _model() seeds torch's global generator, which the
+    # The models are built here: mlp() seeds torch's global generator, which the
     # threads would share.
-    models = [_model() for _ in range(4)]
-    reference = _model()
-    expected = train_step(reference, *_inputs())
+    models = [mlp() for _ in range(4)]
+    reference = mlp()
+    expected = train_step(reference, *inputs())
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        losses = list(pool.map(lambda model: forward(model, *_inputs()), models))
+        losses = list(pool.map(lambda model: forward(model, *inputs()), models))
     assert namespace["_DEFERRED_KERNEL_SCOPES"] == []
     for loss, model in zip(losses, models, strict=True):
         torch.testing.assert_close(loss, expected)

@@ -10,24 +10,18 @@ would, an invalid one must be rejected with the full check's message, model unto
 from __future__ import annotations
 
 import gc
-import importlib
 import weakref
 from collections.abc import Callable, Iterator
 from typing import cast
 
 import pytest
 import torch
-from state_snapshot import clone_with_grads
+from helpers.state_snapshot import assert_call_rejected, clone_with_grads
 from torch import nn
 
 import precompile_gen as pg
 
 Forward = Callable[..., object]
-
-# The runtime-error tests' helper: a call rejected with a given message, and with
-# everything it was passed untouched.
-_runtime_errors = importlib.import_module("test_runtime_errors")
-assert_call_rejected = _runtime_errors.assert_call_rejected
 
 
 class Net(nn.Module):

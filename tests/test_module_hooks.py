@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from helpers.state_snapshot import StateSnapshot
 from torch import nn
 from torch.nn.utils import prune
 
 import precompile_gen as pg
 from precompile_gen.tools.inspection import format_report, inspect_artifact
-from tests.state_snapshot import StateSnapshot
 
 
 def make_mlp() -> nn.Sequential:

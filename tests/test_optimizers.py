@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import model_zoo
+from helpers.state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.tools.inspection import format_report, inspect_artifact
-from tests.state_snapshot import StateSnapshot, assert_same_state
 
 STEPS = 3
 MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
@@ -684,34 +685,30 @@ def hf_step(
 
 
 def test_resnet18_with_sgd() -> None:
-    from tests.test_model_zoo import images, resnet18
-
     def sgd(model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(
             model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4
         )
 
     def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return images(2, 32, seed)
+        return model_zoo.images(2, 32, seed)
 
-    forward = precompiled(resnet18, sgd, train_step, make_batch(0), "eager")
-    run_side_by_side(forward, resnet18, sgd, step_lr, train_step, make_batch)
+    forward = precompiled(model_zoo.resnet18, sgd, train_step, make_batch(0), "eager")
+    run_side_by_side(forward, model_zoo.resnet18, sgd, step_lr, train_step, make_batch)
 
 
 def test_gpt2_with_adamw_and_dropout() -> None:
-    from tests.test_model_zoo import gpt2, tokens
-
     def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tokens(None, seed)
+        return model_zoo.tokens(None, seed)
 
     def adamw(model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    forward = precompiled(gpt2, adamw, hf_step, make_batch(0), "eager")
+    forward = precompiled(model_zoo.gpt2, adamw, hf_step, make_batch(0), "eager")
     # Its attention's key biases get gradients of rounding noise only (softmax does
     # not see them), which Adam's normalised update turns into steps of about lr:
     # there the capturable formulation's rounding shows most, so lr stays small.
-    run_side_by_side(forward, gpt2, adamw, step_lr, hf_step, make_batch)
+    run_side_by_side(forward, model_zoo.gpt2, adamw, step_lr, hf_step, make_batch)
 
 
 def test_optimizer_configurations_the_artifact_cannot_hold_are_refused_at_capture(

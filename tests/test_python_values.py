@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from state_snapshot import StateSnapshot
+from helpers.state_snapshot import StateSnapshot
 from torch import nn
 
 import precompile_gen as pg

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from state_snapshot import StateSnapshot, clone_with_grads
+from helpers.state_snapshot import StateSnapshot, clone_with_grads
 from torch import nn
 
 import precompile_gen as pg

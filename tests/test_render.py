@@ -13,7 +13,7 @@ import tracemalloc
 from collections.abc import Callable
 
 import pytest
-from test_golden import CASES  # the golden captures
+from helpers.golden import CASES
 
 import precompile_gen as pg
 from precompile_gen.capture_result import (

@@ -8,14 +8,19 @@ import collections
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
 import pytest
 import torch
-from state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
+from helpers.state_snapshot import (
+    StateSnapshot,
+    assert_call_rejected,
+    assert_same_state,
+    clone_with_grads,
+)
 from torch import nn
 
 import precompile_gen as pg
@@ -99,24 +104,6 @@ def make_model(cls: Callable[[], nn.Module] = Net) -> nn.Module:
     model = cls()
     train_step(model, make_batch(), 0.5)
     return model
-
-
-def assert_call_rejected(
-    forward: Callable[..., object],
-    *args: object,
-    match: Iterable[str],
-    also_unchanged: Iterable[object] = (),
-) -> str:
-    """``forward(*args)`` raises PrecompileError whose message contains every string
-    in ``match``; ``args`` and ``also_unchanged`` are untouched. Returns the message."""
-    snapshot = StateSnapshot(*args, *also_unchanged)
-    with pytest.raises(pg.PrecompileError) as caught:
-        forward(*args)
-    message = str(caught.value)
-    for text in match:
-        assert text in message, f"{text!r} not in the message: {message}"
-    snapshot.assert_unchanged()
-    return message
 
 
 # --- artifacts, one per scenario ----------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from linear_step import example_input, linear_model, train_step
+from helpers.linear_step import example_input, linear_model, train_step
 from torch import nn
 
 import precompile_gen as pg

@@ -13,10 +13,10 @@ from typing import Any, cast
 
 import pytest
 import torch
+from helpers.state_snapshot import StateSnapshot
 from torch import nn
 
 import precompile_gen as pg
-from tests.state_snapshot import StateSnapshot
 
 STEPS = 3
 BACKENDS = ["eager", "inductor"]

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+import precompile_gen as pg
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -122,3 +125,21 @@ def clone_with_grads(model: ModuleT) -> ModuleT:
         grad = originals[name].grad
         param.grad = None if grad is None else grad.clone()
     return clone
+
+
+def assert_call_rejected(
+    forward: Callable[..., object],
+    *args: object,
+    match: Iterable[str],
+    also_unchanged: Iterable[object] = (),
+) -> str:
+    """``forward(*args)`` raises PrecompileError whose message contains every string
+    in ``match``; ``args`` and ``also_unchanged`` are untouched. Returns the message."""
+    snapshot = StateSnapshot(*args, *also_unchanged)
+    with pytest.raises(pg.PrecompileError) as caught:
+        forward(*args)
+    message = str(caught.value)
+    for text in match:
+        assert text in message, f"{text!r} not in the message: {message}"
+    snapshot.assert_unchanged()
+    return message
