@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.concurrency_jobs import JOBS, Job
+from helpers.processes import env_with_helpers
 from torch import nn
 
 import precompile_gen as pg
@@ -131,106 +131,7 @@ def test_threads_share_one_loaded_forward(
 
 # --- load leaves the process as it found it -----------------------------------------
 
-_CHILD = """\
-import json, logging, os, sys, warnings
-import torch
-import torch._dynamo.config, torch._functorch.config, torch._inductor.config
-import precompile_gen as pg
-from pathlib import Path
-
-sys.path.insert(0, {tests!r})
-from helpers.concurrency_jobs import JOBS
-
-
-def configs():
-    modules = [torch._dynamo.config, torch._functorch.config, torch._inductor.config]
-    return {{
-        f"{{m.__name__}}.{{k}}": repr(v)
-        for m in modules
-        for k, v in m.get_config_copy().items()
-    }}
-
-
-def loggers():
-    manager = logging.root.manager
-    found = {{"<root>": logging.root, **manager.loggerDict}}
-    return {{
-        name: [
-            logger.level,
-            logger.propagate,
-            logger.disabled,
-            # torch's structured-trace handler removes itself the first time
-            # anything in torch emits a trace event, as inductor does.
-            0 if name == "torch.__trace" else len(logger.handlers),
-        ]
-        for name, logger in found.items()
-        if isinstance(logger, logging.Logger)
-    }}
-
-
-def state():
-    return {{
-        "default dtype": str(torch.get_default_dtype()),
-        "grad mode": torch.is_grad_enabled(),
-        "inference mode": torch.is_inference_mode_enabled(),
-        "anomaly mode": torch.is_anomaly_enabled(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "matmul precision": torch.get_float32_matmul_precision(),
-        "threads": torch.get_num_threads(),
-        "logging disable": logging.root.manager.disable,
-        "warning filters": repr(warnings.filters),
-        # Inductor points its compiled kernels at a function of this process through
-        # this variable whenever it loads one: part of loading kernels, not state a
-        # caller sets.
-        "environment": {{
-            k: v for k, v in os.environ.items()
-            if k != "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
-        }},
-        "config": configs(),
-        "loggers": loggers(),
-    }}
-
-
-def differences(before, after):
-    out = {{}}
-    for key in before:
-        if isinstance(before[key], dict):
-            changed = {{
-                k: [before[key].get(k), after[key].get(k)]
-                for k in before[key].keys() | after[key].keys()
-                if before[key].get(k) != after[key].get(k)
-            }}
-            # A logger first created by an import (torch registers its own) counts
-            # only if it was given a level or a handler.
-            if key == "loggers":
-                changed = {{
-                    k: v for k, v in changed.items()
-                    if v[0] is not None or v[1][0] != 0 or v[1][3] != 0
-                }}
-            if changed:
-                out[key] = changed
-        elif before[key] != after[key]:
-            out[key] = [before[key], after[key]]
-    return out
-
-
-folder = Path({folder!r})
-before, rng = state(), torch.get_rng_state()
-forwards = {{
-    name: pg.load(folder / f"{{i}}.py", folder / f"{{i}}.cache", key=JOBS[name].key)
-    for i, name in enumerate({names!r})
-}}
-after_load, rng_after_load = state(), torch.get_rng_state()
-for name, forward in forwards.items():
-    model, batch = JOBS[name].example()
-    forward(model, *batch)
-after_calls = state()
-print(json.dumps({{
-    "load": differences(before, after_load),
-    "rng consumed by load": not torch.equal(rng, rng_after_load),
-    "calls": differences(before, after_calls),
-}}))
-"""
+CHILD = Path(__file__).with_name("process_state_child.py")
 
 
 def test_load_leaves_torch_and_logging_state_unchanged(
@@ -242,12 +143,9 @@ def test_load_leaves_torch_and_logging_state_unchanged(
     for i, name in enumerate(names):
         (tmp_path / f"{i}.py").write_text(pairs[name][0], encoding="utf-8")
         (tmp_path / f"{i}.cache").write_bytes(pairs[name][1])
-    script = _CHILD.format(
-        tests=str(Path(__file__).parent), folder=str(tmp_path), names=names
-    )
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    env = env_with_helpers(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
     child = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, str(CHILD), str(tmp_path), *names],
         capture_output=True,
         text=True,
         env=env,

@@ -329,35 +329,8 @@ def test_a_crash_between_the_renames_leaves_a_pair_that_load_refuses(
 
 # --- fault injection ----------------------------------------------------------------
 
-# Loads files.py and the error module it imports by path, so that the writer starts
-# without importing torch (which importing the precompile_gen package would), and
-# rewrites the pairs in a loop.
-_WRITER = """\
-import importlib.util, sys
-
-def load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-load("precompile_gen.runtime.errors", sys.argv[1].replace("files.py", "errors.py"))
-files = load("precompile_gen.runtime.files", sys.argv[1])
-artifact, cache, sources = sys.argv[2], sys.argv[3], sys.argv[4:]
-pairs = []
-for code, data in zip(sources[::2], sources[1::2]):
-    with open(code, "rb") as f:
-        text = f.read().decode("utf-8")
-    with open(data, "rb") as f:
-        pairs.append((text, f.read()))
-sys.stdout.write("ready\\n")
-sys.stdout.flush()
-i = 0
-while True:
-    files.write_pair(artifact, cache, *pairs[i % len(pairs)])
-    i += 1
-"""
+# Rewrites the pair in a loop until it is killed, starting without torch.
+WRITER = Path(__file__).with_name("pair_writer_child.py")
 
 KILLS = 250
 
@@ -389,7 +362,7 @@ def test_a_writer_killed_at_random_moments_never_leaves_a_torn_pair(
     files.write_pair(artifact, cache, pairs[0].code, pairs[0].cache)
     codes = [pair.code for pair in pairs]
     caches = [pair.cache for pair in pairs]
-    command = [sys.executable, "-S", "-c", _WRITER, spec.origin, str(artifact)]
+    command = [sys.executable, "-S", str(WRITER), spec.origin, str(artifact)]
     command += [str(cache), *sources]
     rng = random.Random(0)
     outcomes = {"loaded": 0, "refused as mixed": 0}

@@ -6,13 +6,14 @@ binaries come with its cache, not Inductor either."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.mlp_step import mlp
+from helpers.processes import env_with_helpers
 from torch import nn
 
 import precompile_gen as pg
@@ -32,38 +33,7 @@ CAPTURE_ONLY = (
     "precompile_gen.tools",
 )
 
-_CHILD = """\
-import json, sys
-import torch
-import precompile_gen as pg
-
-def imported():
-    return sorted(name for name in {capture_only!r} if name in sys.modules)
-
-after_import = imported()
-code = open({code!r}, encoding="utf-8").read()
-forward = pg.load(code, open({cache!r}, "rb").read())
-torch.manual_seed(0)
-model = torch.nn.Sequential(
-    torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
-)
-out = forward(model, torch.ones(3, 4))
-try:
-    forward(model, torch.ones(3, 5))  # the driver's error path
-except pg.PrecompileError as error:
-    rejected = str(error)
-print(json.dumps({{
-    "after_import": after_import,
-    "after_load": imported(),
-    "out": out.tolist(),
-    "rejected": rejected,
-}}))
-"""
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+CHILD = Path(__file__).with_name("load_only_child.py")
 
 
 def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -76,22 +46,18 @@ def test_loading_an_artifact_imports_nothing_capture_needs(
 ) -> None:
     # For inductor, with the cache: every kernel's binary is in it, so nothing of
     # Inductor's compiler (nor Dynamo, which it imports) is needed to run the graph.
-    code, cache = pg.precompile(predict, _mlp(), torch.ones(3, 4), backend=backend)
+    code, cache = pg.precompile(predict, mlp(), torch.ones(3, 4), backend=backend)
+    paths = [str(tmp_path / "code.py"), str(tmp_path / "cache.bin")]
     (tmp_path / "code.py").write_text(code, encoding="utf-8")
     (tmp_path / "cache.bin").write_bytes(cache)
-    script = _CHILD.format(
-        capture_only=CAPTURE_ONLY,
-        code=str(tmp_path / "code.py"),
-        cache=str(tmp_path / "cache.bin"),
-    )
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environment["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor-cache")
+    # This process's environment: the child finds precompile_gen as this process did.
+    env = env_with_helpers(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, str(CHILD), *paths, *CAPTURE_ONLY],
         capture_output=True,
         text=True,
         check=False,
-        env=environment,
+        env=env,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -99,7 +65,7 @@ def test_loading_an_artifact_imports_nothing_capture_needs(
     assert report["after_import"] == []
     assert report["after_load"] == []
     # It did load and run: the result is eager's, and the error path ran.
-    expected = predict(_mlp(), torch.ones(3, 4)).tolist()
+    expected = predict(mlp(), torch.ones(3, 4)).tolist()
     torch.testing.assert_close(torch.tensor(report["out"]), torch.tensor(expected))
     assert "has shape (3, 5)" in report["rejected"]
 

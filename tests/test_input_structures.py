@@ -5,7 +5,6 @@ out, on both backends, against eager PyTorch."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import warnings
@@ -510,46 +509,9 @@ def test_type_defined_in_a_function_is_refused_at_capture(
     snapshot.assert_unchanged()
 
 
-_CAPTURING_SCRIPT = """\
-import dataclasses
-import sys
-
-import torch
-from torch import nn
-
-import precompile_gen as pg
-
-
-@dataclasses.dataclass
-class Out:
-    y: torch.Tensor
-
-
-def predict(model, x):
-    return Out(model(x))
-
-
-torch.manual_seed(0)
-model, x = nn.Linear(4, 2), torch.randn(3, 4)
-python_code, cache = pg.precompile(predict, model, x, backend="eager")
-open(sys.argv[1], "w").write(python_code)
-open(sys.argv[2], "wb").write(cache)
-out = pg.load(python_code, cache)(model, x)
-assert type(out) is Out, type(out)
-torch.testing.assert_close(out.y, model(x))
-print(pg.parse_metadata(python_code)["PYTREE_TYPES"])
-"""
-
-_LOADING_SCRIPT = """\
-import sys
-
-import precompile_gen as pg
-
-try:
-    pg.load(open(sys.argv[1]).read(), open(sys.argv[2], "rb").read())
-except pg.PrecompileError as error:
-    print(error)
-"""
+# The capturing script, which defines the type, and another script, which does not.
+CAPTURING_SCRIPT = Path(__file__).with_name("main_type_capture_child.py")
+LOADING_SCRIPT = Path(__file__).with_name("main_type_load_child.py")
 
 
 def test_type_of_the_capturing_script_loads_where_it_is_defined(
@@ -557,20 +519,16 @@ def test_type_of_the_capturing_script_loads_where_it_is_defined(
 ) -> None:
     # A type of __main__ is imported from the loading process's __main__: the
     # capturing script loads it, another script that lacks it is told so.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    (tmp_path / "capture.py").write_text(_CAPTURING_SCRIPT)
-    (tmp_path / "load.py").write_text(_LOADING_SCRIPT)
     paths = [str(tmp_path / "artifact.py"), str(tmp_path / "artifact.cache")]
     runs = [
         subprocess.run(
-            [sys.executable, str(tmp_path / script), *paths],
-            env=env,
+            [sys.executable, str(script), *paths],
             capture_output=True,
             text=True,
             timeout=300,
             check=False,
         )
-        for script in ("capture.py", "load.py")
+        for script in (CAPTURING_SCRIPT, LOADING_SCRIPT)
     ]
     for run in runs:
         assert run.returncode == 0, run.stdout + run.stderr

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.mlp_step import inputs, mlp, train_step
+from helpers.processes import env_with_helpers
 
 import precompile_gen as pg
 from precompile_gen.runtime import kernel_binaries
@@ -109,28 +110,7 @@ def test_payload_carries_each_kernel_binary_with_its_digest(pair: Pair) -> None:
     assert sorted(sources.values()) == sorted(files)
 
 
-_CHILD = """\
-import json, os, sys, torch, precompile_gen as pg
-sys.path.insert(0, {tests!r})
-from helpers.mlp_step import inputs, mlp, train_step
-code = open({code!r}, encoding="utf-8").read()
-cache = open({cache!r}, "rb").read()
-forward = pg.load(code, cache)
-model, reference = mlp(), mlp()
-loss = forward(model, *inputs())
-torch.testing.assert_close(loss, train_step(reference, *inputs()))
-for got, want in zip(model.parameters(), reference.parameters(), strict=True):
-    torch.testing.assert_close(got.grad, want.grad)
-print(json.dumps({{
-    "loss": float(loss),
-    # Compiling a kernel needs Inductor: a process that never imported it compiled
-    # nothing.
-    "imported": sorted(
-        name for name in ("torch._inductor", "torch._dynamo") if name in sys.modules
-    ),
-    "torch_dir": os.path.dirname(torch.__file__),
-}}))
-"""
+FRESH_LOAD = Path(__file__).with_name("fresh_load_child.py")
 
 
 @dataclass
@@ -480,25 +460,7 @@ def test_a_kernel_binary_that_cannot_be_written_is_named_with_the_fix(
     assert not list(tmp_path.rglob("*.partial"))
 
 
-_UNUSABLE_CACHE_FOLDER = """\
-import sys
-from pathlib import Path
-import torch
-import precompile_gen as pg
-
-code, cache = Path(sys.argv[1]), Path(sys.argv[2])
-for what, call in [
-    ("precompile", lambda: pg.precompile(
-        lambda m, x: m(x), torch.nn.Linear(3, 2), torch.randn(4, 3), backend="eager"
-    )),
-    ("load", lambda: pg.load(code, cache)),
-]:
-    try:
-        call()
-        print(what, "no error")
-    except pg.PrecompileError as error:
-        print(what, str(error).replace("\\n", " "))
-"""
+UNUSABLE_CACHE_FOLDER = Path(__file__).with_name("unusable_cache_folder_child.py")
 
 
 @pytest.mark.slow
@@ -514,7 +476,7 @@ def test_a_cache_folder_that_cannot_be_created_fails_clearly_in_a_fresh_process(
     code.write_text(pair.code, encoding="utf-8")
     cache.write_bytes(pair.cache)
     done = subprocess.run(
-        [sys.executable, "-c", _UNUSABLE_CACHE_FOLDER, str(code), str(cache)],
+        [sys.executable, str(UNUSABLE_CACHE_FOLDER), str(code), str(cache)],
         capture_output=True,
         text=True,
         check=False,
@@ -656,20 +618,19 @@ def _load_in_fresh_process(
     binary to write to."""
     (tmp_path / "code.py").write_text(code, encoding="utf-8")
     (tmp_path / "cache.bin").write_bytes(cache)
-    script = _CHILD.format(
-        tests=str(Path(__file__).parent),
-        code=str(tmp_path / "code.py"),
-        cache=str(tmp_path / "cache.bin"),
-    )
     return subprocess.run(
-        [python, "-c", script],
+        [
+            python,
+            str(FRESH_LOAD),
+            str(tmp_path / "code.py"),
+            str(tmp_path / "cache.bin"),
+        ],
         capture_output=True,
         text=True,
-        env={
-            **os.environ,
-            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache"),
-            "PRECOMPILE_GEN_TEST_MARKER": str(tmp_path / "marker"),
-        },
+        env=env_with_helpers(
+            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"),
+            PRECOMPILE_GEN_TEST_MARKER=str(tmp_path / "marker"),
+        ),
         check=False,
         timeout=600,
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -506,27 +505,9 @@ def test_error_type_without_precompile_gen(
 ) -> None:
     artifact = tmp_path / "artifact.py"
     artifact.write_text(batch_artifact.python_code, encoding="utf-8")
-    script = textwrap.dedent(
-        """
-        import sys
-
-        # Makes `import precompile_gen` raise ImportError, as if not installed.
-        sys.modules["precompile_gen"] = None
-        namespace = {"__name__": "artifact"}
-        with open(sys.argv[1], encoding="utf-8") as file:
-            exec(compile(file.read(), sys.argv[1], "exec"), namespace)
-        try:
-            namespace["forward"]()
-        except Exception as error:
-            print(type(error).__name__)
-            print(isinstance(error, RuntimeError))
-            print(type(error).__module__)
-            print(sys.modules["precompile_gen"] is None)
-            print(error)
-        """
-    )
+    child = Path(__file__).with_name("error_without_package_child.py")
     result = subprocess.run(
-        [sys.executable, "-c", script, str(artifact)],
+        [sys.executable, str(child), str(artifact)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import zipfile
 from pathlib import Path
 
@@ -22,45 +21,9 @@ from precompile_gen.codegen.stubs import stub_capture
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Run by the fresh venv's interpreter: report where precompile_gen came from and what
-# it renders, into the directory named by argv[1].
-INSTALLED_RUNNER = textwrap.dedent(
-    """
-    import json
-    import sys
-    from pathlib import Path
-
-    import torch
-    from torch import nn
-
-    import precompile_gen as pg
-    import precompile_gen.codegen.render
-    from precompile_gen.codegen.stubs import stub_capture
-
-    out = Path(sys.argv[1])
-    for backend in ("eager", "inductor"):
-        text = pg.render_artifact(stub_capture(backend))
-        (out / f"stub_{backend}.py").write_text(text, encoding="utf-8")
-
-
-    def predict(model, x):
-        return model(x).relu()
-
-
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    x = torch.randn(3, 4)
-    code, cache = pg.precompile(predict, model, x, backend="eager")
-    (out / "precompile.py").write_text(code, encoding="utf-8")
-    torch.testing.assert_close(pg.load(code, cache)(model, x), predict(model, x))
-    report = {
-        "file": pg.__file__,
-        "template_dir": str(precompile_gen.codegen.render.template_dir()),
-        "sys_path": sys.path,
-    }
-    (out / "report.json").write_text(json.dumps(report), encoding="utf-8")
-    """
-)
+# Run by the fresh venv's interpreter: reports where precompile_gen came from and what
+# it renders, into the folder it is given.
+RUNNER = Path(__file__).with_name("installed_wheel_child.py")
 
 
 def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -150,9 +113,7 @@ def test_installed_wheel_renders_without_the_source_tree(
 
     out = tmp_path / "out"
     out.mkdir()
-    runner = tmp_path / "runner.py"
-    runner.write_text(INSTALLED_RUNNER, encoding="utf-8")
-    run([python, runner, out], cwd=tmp_path)
+    run([python, RUNNER, out], cwd=tmp_path)
 
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     installed = Path(report["file"]).resolve()
