@@ -41,7 +41,7 @@ from precompile_gen.tools.inspection import (
 )
 from precompile_gen.tools.progress import Progress
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = REPO_ROOT / "tests" / "golden"
 CLI = Path(sys.executable).with_name("precompile-gen")
 COMMANDS = ("demo", "inspect", "verify", "diff", "stubs")

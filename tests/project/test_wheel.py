@@ -19,7 +19,7 @@ import precompile_gen as pg
 from precompile_gen.capture_result import Backend
 from precompile_gen.codegen.stubs import stub_capture
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Run by the fresh venv's interpreter: reports where precompile_gen came from and what
 # it renders, into the folder it is given.

@@ -236,7 +236,8 @@ def test_user_input_that_receives_a_grad(model: nn.Module) -> None:
 
 
 def test_while_loop_subgraph(model: nn.Module, x: torch.Tensor) -> None:
-    # torch.cond is captured (tests/test_data_dependent.py); a loop's body is not.
+    # torch.cond is captured (tests/capturing/test_data_dependent.py); a loop's body
+    # is not.
     def step_with_loop(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         _, y = torch.while_loop(
             lambda i, v: i < 2, lambda i, v: (i + 1, v.sin()), (torch.tensor(0), x)

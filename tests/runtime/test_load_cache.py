@@ -430,7 +430,7 @@ def test_load_accepts_a_hand_built_matching_envelope(
 
 @pytest.mark.parametrize("cache", ["cache", bytearray(b"x"), memoryview(b"x")])
 def test_load_rejects_a_non_bytes_cache(captured: Captured, cache: Any) -> None:
-    # A path is accepted (tests/test_files.py); a str is never taken for one.
+    # A path is accepted (tests/runtime/test_files.py); a str is never taken for one.
     with pytest.raises(ValueError, match="bytes") as info:
         pg.load(captured.code, cache)
     assert "or None to load without one" in str(info.value)

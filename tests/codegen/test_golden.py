@@ -6,7 +6,7 @@ per part (tests/golden/runtime/<part>.py, the text the artifact carries): each g
 holds its section's title, which names the parts and gives the stamp, in place of its
 text. Regenerate after an intended change with
 
-    python -m pytest tests/test_golden.py --update-goldens
+    python -m pytest tests/codegen/test_golden.py --update-goldens
 
 Eager goldens come from live captures (fx's code does not depend on the machine). The
 inductor golden renders a hand-built ``CaptureResult`` around a canned Inductor module

@@ -18,7 +18,7 @@ from precompile_gen.codegen.render import (
 from precompile_gen.codegen.stubs import STUBS
 from precompile_gen.tools.cli import main
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_stubs_cover_every_template() -> None:

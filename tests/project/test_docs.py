@@ -17,7 +17,7 @@ from helpers.golden import CASES, runtime_parts, split_runtime
 from precompile_gen.codegen.render import compose_runtime, render_artifact
 from precompile_gen.tools.inspection import format_report, inspect_artifact
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = REPO_ROOT / "tests" / "golden"
 README = REPO_ROOT / "README.md"
 OVERVIEW = REPO_ROOT / "docs" / "index.md"
@@ -110,12 +110,15 @@ def test_documented_golden_update_command_regenerates_the_goldens(
     # test suite.
     regenerate = _module(REPO_ROOT / "tools" / "regenerate.py")
     command = " ".join(regenerate.GOLDEN_COMMAND)
-    assert command == "python -m pytest tests/test_golden.py --update-goldens"
+    assert command == "python -m pytest tests/codegen/test_golden.py --update-goldens"
     architecture = (REPO_ROOT / "docs" / "architecture.md").read_text("utf-8")
     assert command in architecture and "python tools/regenerate.py" in architecture
+    # The copy runs under the project's pytest configuration, which puts the tests'
+    # helpers (the copy's) in reach.
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     copy = tmp_path / "tests"
-    copy.mkdir()
-    for name in ("conftest.py", "test_golden.py"):
+    (copy / "codegen").mkdir(parents=True)
+    for name in ("conftest.py", "codegen/test_golden.py"):
         shutil.copy(REPO_ROOT / "tests" / name, copy / name)
     for folder in ("golden", "fixtures", "helpers"):
         shutil.copytree(REPO_ROOT / "tests" / folder, copy / folder)
