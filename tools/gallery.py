@@ -6,9 +6,9 @@
 Everything comes from the golden artifacts in tests/golden/ (live eager captures and
 the inductor driver around the canned Inductor graph), so after the goldens are
 regenerated this script brings the page up to date (`python tools/regenerate.py`
-runs both), and tests/test_docs.py fails while it is not. Excerpts are located by the
-artifact's structure (sections, named functions, kernels), not by line numbers, so
-they follow template changes.
+runs both), and tests/project/test_docs.py fails while it is not. Excerpts are
+located by the artifact's structure (sections, named functions, kernels), not by line
+numbers, so they follow template changes.
 """
 
 from __future__ import annotations

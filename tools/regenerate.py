@@ -10,7 +10,7 @@ The files, in order, since each is made from the one before:
    output on this machine's vector instruction set, so it is made and checked only
    where Inductor picks the width it was made for, and skipped elsewhere with a note.
 2. tests/golden/*.py: the goldens, by ``GOLDEN_COMMAND``; checked by running
-   tests/test_golden.py without the flag.
+   tests/codegen/test_golden.py without the flag.
 3. docs/gallery.md: excerpts of the goldens (tools/gallery.py).
 
 Everything runs on this checkout's code, whatever copy of precompile_gen is
@@ -28,7 +28,13 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN_COMMAND = ["python", "-m", "pytest", "tests/test_golden.py", "--update-goldens"]
+GOLDEN_COMMAND = [
+    "python",
+    "-m",
+    "pytest",
+    "tests/codegen/test_golden.py",
+    "--update-goldens",
+]
 FIXTURE_SCRIPT = ROOT / "tests" / "fixtures" / "regenerate_inductor_graph.py"
 
 

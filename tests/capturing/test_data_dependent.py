@@ -1,0 +1,474 @@
+"""Data-dependent code: what a function reads from tensor values.
+
+The common cases run on both backends as eager runs them: a training step that returns
+``loss.item()``, BatchNorm with ``momentum=None`` (a cumulative average that reads
+``num_batches_tracked``), sampling from ``torch.distributions`` with argument
+validation on, and ``torch.cond`` with inputs that take either branch. Every other
+value read is refused at capture, naming the line of the function that read it and
+the fixes. Each artifact is compiled once per backend in a module-scoped fixture.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+from helpers.state_snapshot import StateSnapshot, assert_same_state
+from torch import nn
+from torch.nn import functional as F
+
+import precompile_gen as pg
+
+BACKENDS = ["eager", "inductor"]
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def make_regressor(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def artifact(fn: Callable[..., object], *args: object, backend: str) -> Callable:
+    code, cache = pg.precompile(fn, *args, backend=backend)
+    return pg.load(code, cache)
+
+
+# --- loss.item() ----------------------------------------------------------------------
+
+
+def item_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return loss.item()
+
+
+def logged_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    out = model(x)
+    loss = F.mse_loss(out, y)
+    loss.backward()
+    return {"loss": loss.item(), "out": out.detach(), "max": out.max().item()}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def item_artifacts(request: pytest.FixtureRequest) -> tuple[str, Callable, Callable]:
+    model, x, y = make_regressor(0), randn(6, 4, seed=1), randn(6, 1, seed=2)
+    return (
+        request.param,
+        artifact(item_step, model, x, y, backend=request.param),
+        artifact(logged_step, model, x, y, backend=request.param),
+    )
+
+
+def test_returned_item_is_eager_python_number(
+    item_artifacts: tuple[str, Callable, Callable],
+) -> None:
+    _, step, _ = item_artifacts
+    eager_model, model = make_regressor(0), make_regressor(0)
+    for seed in (3, 5, 7):
+        x, y = randn(6, 4, seed=seed), randn(6, 1, seed=seed + 1)
+        expected = item_step(eager_model, x, y)
+        result = step(model, x, y)
+        assert type(result) is float
+        assert result == pytest.approx(expected, rel=1e-6)
+    assert_same_state(model, eager_model)
+
+
+def test_item_inside_a_returned_dict(
+    item_artifacts: tuple[str, Callable, Callable],
+) -> None:
+    _, _, step = item_artifacts
+    eager_model, model = make_regressor(0), make_regressor(0)
+    x, y = randn(6, 4, seed=11), randn(6, 1, seed=12)
+    expected = logged_step(eager_model, x, y)
+    result = step(model, x, y)
+    assert type(result["loss"]) is float and type(result["max"]) is float
+    assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert result["max"] == pytest.approx(expected["max"], rel=1e-6)
+    torch.testing.assert_close(result["out"], expected["out"])
+    assert_same_state(model, eager_model)
+
+
+def test_item_metadata_names_the_scalar_outputs() -> None:
+    model, x, y = make_regressor(0), randn(6, 4, seed=1), randn(6, 1, seed=2)
+    code, _ = pg.precompile(logged_step, model, x, y, backend="eager")
+    # Flat outputs in the dict's order: loss, out, max.
+    assert pg.parse_metadata(code)["SCALAR_OUTPUTS"] == [0, 2]
+
+
+# --- BatchNorm(momentum=None) -----------------------------------------------------
+
+
+def make_bn1d(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6, momentum=None), nn.ReLU(), nn.Linear(6, 1)
+    ).train()
+
+
+def make_bn2d(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3, momentum=None),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(48, 1),
+    ).train()
+
+
+def batches_tracked(model: nn.Module) -> int:
+    return int(model.get_buffer("1.num_batches_tracked"))
+
+
+def bn_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+
+
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def bn_artifacts(request: pytest.FixtureRequest) -> dict[str, Callable]:
+    backend = request.param
+    eval_model = make_bn2d(0).eval()
+    return {
+        "step": artifact(
+            bn_step,
+            make_bn1d(0),
+            randn(5, 4, seed=1),
+            randn(5, 1, seed=2),
+            backend=backend,
+        ),
+        "train_forward": artifact(
+            predict, make_bn2d(0), randn(4, 2, 4, 4, seed=3), backend=backend
+        ),
+        "eval_forward": artifact(
+            predict, eval_model, randn(4, 2, 4, 4, seed=3), backend=backend
+        ),
+    }
+
+
+def test_cumulative_batch_norm_training_step(bn_artifacts: dict[str, Callable]) -> None:
+    eager_model, model = make_bn1d(0), make_bn1d(0)
+    for call in range(3):
+        x, y = randn(5, 4, seed=10 + call), randn(5, 1, seed=20 + call)
+        torch.testing.assert_close(
+            bn_artifacts["step"](model, x, y), bn_step(eager_model, x, y)
+        )
+    assert_same_state(model, eager_model)
+    assert batches_tracked(model) == 3
+
+
+def test_cumulative_batch_norm_forward(bn_artifacts: dict[str, Callable]) -> None:
+    for name, mode in (("train_forward", True), ("eval_forward", False)):
+        eager_model, model = make_bn2d(0).train(mode), make_bn2d(0).train(mode)
+        for call in range(3):
+            x = randn(4, 2, 4, 4, seed=30 + call)
+            torch.testing.assert_close(bn_artifacts[name](model, x), eager_model(x))
+        assert_same_state(model, eager_model)
+        assert batches_tracked(model) == (3 if mode else 0)
+
+
+# --- torch.distributions -------------------------------------------------------------
+
+
+def mixup_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    lam = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4)).sample()
+    index = torch.randperm(x.shape[0])
+    out = model(lam * x + (1 - lam) * x[index])
+    loss = lam * F.mse_loss(out, y) + (1 - lam) * F.mse_loss(out, y[index])
+    loss.backward()
+    return loss
+
+
+def reparametrized_step(
+    model: nn.Module, x: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    loc = model(x)
+    z = torch.distributions.Normal(loc, scale).rsample()
+    loss = z.pow(2).mean()
+    loss.backward()
+    return z, loss
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def sampling_artifacts(request: pytest.FixtureRequest) -> dict[str, Callable]:
+    backend = request.param
+    model, x, y = make_regressor(0), randn(6, 4, seed=1), randn(6, 1, seed=2)
+    return {
+        "mixup": artifact(mixup_step, model, x, y, backend=backend),
+        "normal": artifact(
+            reparametrized_step, model, x, torch.full((6, 1), 0.5), backend=backend
+        ),
+    }
+
+
+def test_beta_mixup_matches_eager_under_a_seed(
+    sampling_artifacts: dict[str, Callable],
+) -> None:
+    assert torch.distributions.Distribution._validate_args
+    eager_model, model = make_regressor(0), make_regressor(0)
+    for call in range(3):
+        x, y = randn(6, 4, seed=40 + call), randn(6, 1, seed=50 + call)
+        torch.manual_seed(call)
+        expected = mixup_step(eager_model, x, y)
+        torch.manual_seed(call)
+        torch.testing.assert_close(sampling_artifacts["mixup"](model, x, y), expected)
+    assert_same_state(model, eager_model)
+
+
+def test_normal_rsample_matches_eager_under_a_seed(
+    sampling_artifacts: dict[str, Callable],
+) -> None:
+    eager_model, model = make_regressor(0), make_regressor(0)
+    for call in range(2):
+        x, scale = randn(6, 4, seed=60 + call), torch.full((6, 1), 0.3 + call)
+        torch.manual_seed(call)
+        expected = reparametrized_step(eager_model, x, scale)
+        torch.manual_seed(call)
+        result = sampling_artifacts["normal"](model, x, scale)
+        torch.testing.assert_close(result, expected)
+    assert_same_state(model, eager_model)
+
+
+def test_distribution_argument_check_still_raises(
+    sampling_artifacts: dict[str, Callable],
+) -> None:
+    # Eager refuses a negative scale with ValueError; the artifact's graph checks the
+    # same constraint at every call.
+    x, scale = randn(6, 4, seed=70), torch.full((6, 1), -1.0)
+    with pytest.raises(ValueError, match="scale"):
+        reparametrized_step(make_regressor(0), x, scale)
+    model = make_regressor(0)
+    snapshot = StateSnapshot(model, x, scale)
+    with pytest.raises(RuntimeError, match=r"torch\.distributions argument check"):
+        sampling_artifacts["normal"](model, x, scale)
+    snapshot.assert_unchanged()
+
+
+# --- torch.cond ----------------------------------------------------------------------
+
+
+def make_projection(seed: int) -> nn.Linear:
+    # No bias: negating the input negates the output, so a call takes the other branch.
+    torch.manual_seed(seed)
+    return nn.Linear(4, 3, bias=False)
+
+
+def cond_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    y = torch.cond(
+        out.sum() > 0, lambda o: o.sin(), lambda o: o.cos() * 2 - model(x), (out,)
+    )
+    y.pow(2).mean().backward()
+    return y
+
+
+def cond_predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.cond(x.mean() > 0, model, lambda v: model(v).relu(), (x,))
+
+
+def scaled_down(v: torch.Tensor) -> torch.Tensor:
+    return torch.cond(v.sum() < -1, lambda u: u * 3, lambda u: u - 1, (v,))
+
+
+def nested_cond(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.cond(
+        x.mean() > 0, lambda v: scaled_down(model(v)), lambda v: model(v).relu(), (x,)
+    )
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cond_artifacts(request: pytest.FixtureRequest) -> dict[str, Callable]:
+    backend = request.param
+    model, x = make_projection(0), randn(5, 4, seed=1).abs()
+    return {
+        "step": artifact(cond_step, model, x, backend=backend),
+        "predict": artifact(cond_predict, model, x, backend=backend),
+        "nested": artifact(nested_cond, model, x, backend=backend),
+    }
+
+
+@pytest.mark.parametrize("signs", [(1, -1, 1), (-1, 1)])
+def test_cond_takes_the_branch_of_each_call(
+    cond_artifacts: dict[str, Callable], signs: tuple[int, ...]
+) -> None:
+    eager_model, model = make_projection(0), make_projection(0)
+    for call, sign in enumerate(signs):
+        x = randn(5, 4, seed=80 + call).abs() * sign
+        torch.testing.assert_close(
+            cond_artifacts["step"](model, x), cond_step(eager_model, x)
+        )
+        torch.testing.assert_close(
+            cond_artifacts["predict"](model, x), cond_predict(eager_model, x)
+        )
+    assert_same_state(model, eager_model)
+
+
+def test_nested_cond_takes_the_branches_of_each_call(
+    cond_artifacts: dict[str, Callable],
+) -> None:
+    model = make_projection(0)
+    # The outer false branch, then the inner false and true ones (the projection
+    # of this positive input sums to -0.64 per unit of scale).
+    for scale in (-1.0, 0.01, 10.0):
+        x = randn(5, 4, seed=90).abs() * scale
+        torch.testing.assert_close(
+            cond_artifacts["nested"](model, x), nested_cond(model, x)
+        )
+
+
+def test_eager_artifact_carries_the_branches() -> None:
+    code, _ = pg.precompile(
+        cond_predict, make_projection(0), randn(5, 4, seed=1), backend="eager"
+    )
+    assert "def _graph_true_graph_0(self" in code
+    assert "true_graph_0 = _graph_true_graph_0" in code
+
+
+# --- refused reads -------------------------------------------------------------------
+
+
+def line_of(fn: Callable[..., object], text: str) -> str:
+    """``file:line`` of the line of ``fn`` that contains ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(fn)}:{start + offset}"
+
+
+FIXES = ["torch.where", "torch.cond", "out of the function"]
+
+
+def assert_refused(
+    fn: Callable[..., object], *args: object, match: Iterable[str]
+) -> str:
+    snapshot = StateSnapshot(*args)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(fn, *args, backend="eager")
+    message = str(caught.value)
+    for text in [*match, *FIXES]:
+        assert text in message, f"{text!r} not in the message: {message}"
+    assert "tracing_mode" not in message
+    snapshot.assert_unchanged()
+    return message
+
+
+def branch_on_value(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if out.sum() > 0:
+        return out * 2
+    return out
+
+
+def truth_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out * float(bool((out > 0).all()))
+
+
+def values_as_list(model: nn.Module, x: torch.Tensor) -> list:
+    return model(x).tolist()
+
+
+def computes_with_item(model: nn.Module, x: torch.Tensor) -> float:
+    total = model(x).sum().item()
+    return total * 2
+
+
+def formats_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    print(f"{out.mean().item():.3f}")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fn", "text", "what"),
+    [
+        (branch_on_value, "if out.sum() > 0:", "Python value"),
+        (truth_of, "float(bool(", "Python value"),
+        (values_as_list, ".tolist()", ".tolist()"),
+        (computes_with_item, "return total * 2", ".item()"),
+        (formats_item, "print(", ".item()"),
+    ],
+)
+def test_value_read_names_the_line_and_the_fixes(
+    fn: Callable[..., object], text: str, what: str
+) -> None:
+    model = make_regressor(0)
+    model(randn(2, 4, seed=0)).sum().backward()  # a .grad to keep untouched
+    message = assert_refused(
+        fn, model, randn(6, 4, seed=1), match=[line_of(fn, text), what, fn.__name__]
+    )
+    if fn is computes_with_item:
+        assert line_of(fn, "total = ") in message
+
+
+def test_values_independent_of_the_inputs_are_read() -> None:
+    def scaled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        sizes = torch.arange(3).tolist()
+        return model(x) * len(sizes) * torch.arange(4).sum().item()
+
+    model, x = make_regressor(0), randn(6, 4, seed=1)
+    torch.testing.assert_close(
+        artifact(scaled, model, x, backend="eager")(model, x), scaled(model, x)
+    )
+
+
+def test_user_batch_norm_subclass_is_refused_where_it_reads() -> None:
+    class GatedBatchNorm(nn.BatchNorm1d):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            largest = float(self.weight.detach().abs().max())
+            return super().forward(input) * (largest > 0)
+
+    model = nn.Sequential(nn.Linear(4, 6), GatedBatchNorm(6, momentum=None))
+    assert_refused(
+        predict,
+        model,
+        randn(5, 4, seed=1),
+        match=[line_of(GatedBatchNorm.forward, "largest =")],
+    )
+
+
+def test_while_loop_is_refused() -> None:
+    def repeated(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        _, y = torch.while_loop(
+            lambda i, v: i < 3, lambda i, v: (i + 1, v * 2), (torch.tensor(0), x)
+        )
+        return model(y)
+
+    model, x = make_regressor(0), randn(6, 4, seed=1)
+    snapshot = StateSnapshot(model, x)
+    with pytest.raises(pg.PrecompileError, match=r"while_loop.*only torch\.cond"):
+        pg.precompile(repeated, model, x, backend="eager")
+    snapshot.assert_unchanged()
+
+
+def test_tensor_created_inside_a_cond_branch_is_refused() -> None:
+    def offset(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(
+            x.sum() > 0,
+            lambda v: model(v) + torch.tensor([1.0, 2.0, 3.0]),
+            lambda v: model(v),
+            (x,),
+        )
+
+    model, x = make_projection(0), randn(5, 4, seed=1)
+    snapshot = StateSnapshot(model, x)
+    with pytest.raises(pg.PrecompileError, match=r"torch\.cond branch.*operands"):
+        pg.precompile(offset, model, x, backend="eager")
+    snapshot.assert_unchanged()
+
+
+def test_batch_norm_forward_is_restored_after_capture() -> None:
+    # The trace swaps BatchNorm's forward only while it runs.
+    model = make_bn1d(0)
+    x, y = randn(5, 4, seed=1), randn(5, 1, seed=2)
+    pg.capture(bn_step, model, x, y, backend="eager")
+    assert "forward" not in vars(model[1])

@@ -1,0 +1,149 @@
+"""Stub rendering keeps the driver type-checked although it lives in templates."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+from precompile_gen.capture_result import BACKENDS
+from precompile_gen.codegen.render import (
+    RUNTIME_PARTS,
+    DriverFeatures,
+    driver_features,
+    environment,
+    format_python,
+)
+from precompile_gen.codegen.stubs import STUBS
+from precompile_gen.tools.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_stubs_cover_every_template() -> None:
+    # The stubs render artifact.py.j2; that reaches every template below (each
+    # backend's graph and driver), and a new template must be added here (and so to
+    # what stubs render). The runtime support's parts are carried verbatim, and also
+    # checked by ruff and pyrefly as the plain modules they are.
+    shared = {
+        "artifact.py.j2",
+        "header.py.j2",
+        "macros.py.j2",
+        "metadata.py.j2",
+        "main.py.j2",
+        "tensor_literals.py.j2",
+    }
+    backends = {f"{b}_{part}.py.j2" for b in BACKENDS for part in ("graph", "driver")}
+    driver = {
+        f"driver/{part}.py.j2"
+        for part in (
+            "imports",
+            "checks",
+            "errors",
+            "arguments",
+            "convention",
+            "module_state",
+            "dtensors",
+            "aliasing",
+            "layouts",
+            "grad_resets",
+            "gradients",
+            "optimizers",
+            "sparse_gradients",
+            "forward",
+        )
+    }
+    runtime = set(RUNTIME_PARTS.values())
+    assert set(environment().list_templates()) == shared | backends | driver | runtime
+
+
+def test_backend_conditionals_live_only_in_the_backends_own_templates() -> None:
+    # The shared concern templates hold what every backend's driver does; what only
+    # one backend does is in its own <backend>_driver.py.j2.
+    shared = (REPO_ROOT / "templates" / "driver").glob("*.j2")
+    for path in shared:
+        assert "cap.backend" not in path.read_text(encoding="utf-8"), path.name
+
+
+def test_runtime_support_is_a_module_ruff_and_pyrefly_check() -> None:
+    # No template logic: the text every artifact carries is the files', so the
+    # project's checks read them directly (pyproject includes templates/runtime).
+    for part in RUNTIME_PARTS.values():
+        source = REPO_ROOT / "templates" / part
+        text = source.read_text(encoding="utf-8")
+        assert "{{" not in text and "{%" not in text and "{#" not in text
+        assert format_python(text) == text
+        compile(text, str(source), "exec")
+        checks = (["ruff", "check"], ["pyrefly", "check", "-c", "pyproject.toml"])
+        for command in checks:
+            result = subprocess.run(
+                [sys.executable, "-m", *command, str(source)],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_stubs_render_each_driver_feature_both_on_and_off() -> None:
+    # Every branch of every driver template is rendered in some stub.
+    features = [
+        driver_features(make(backend))
+        for backend in BACKENDS
+        for make in STUBS.values()
+    ]
+    flags = [
+        field.name
+        for field in dataclasses.fields(DriverFeatures)
+        if field.type in ("bool", bool)
+    ]
+    assert len(flags) >= 10
+    for flag in [*flags, "layouts"]:
+        values = {getattr(f, flag) for f in features}
+        assert values == {True, False}, flag
+
+
+def test_stubs_command_writes_black_formatted_modules(tmp_path: Path) -> None:
+    assert main(["stubs", str(tmp_path)]) == 0
+    written = sorted(p.name for p in tmp_path.glob("*.py"))
+    assert written == sorted(f"{b}_{v}.py" for b in BACKENDS for v in STUBS)
+    for path in tmp_path.glob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        compile(text, str(path), "exec")
+        # The whole stub is template output, so black must leave it unchanged.
+        assert format_python(text) == text
+
+
+def test_pyrefly_finds_no_errors_in_stubs(tmp_path: Path) -> None:
+    assert main(["stubs", str(tmp_path)]) == 0
+    files = [str(p) for p in sorted(tmp_path.glob("*.py"))]
+    result = subprocess.run(
+        [sys.executable, "-m", "pyrefly", "check", "-c", "pyproject.toml", *files],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report
+    assert "0 errors" in report
+
+
+def test_pyrefly_catches_a_type_error_in_a_stub(tmp_path: Path) -> None:
+    # Guards the check above against passing vacuously (e.g. the lax preset).
+    assert main(["stubs", str(tmp_path)]) == 0
+    bad = tmp_path / "eager_all_features.py"
+    bad.write_text(
+        bad.read_text(encoding="utf-8") + "\nmodule_state(3)\n", encoding="utf-8"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pyrefly", "check", "-c", "pyproject.toml", str(bad)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "bad-argument-type" in result.stdout + result.stderr

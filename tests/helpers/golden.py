@@ -1,0 +1,283 @@
+"""The golden captures, and the golden files as the tests read them.
+
+A golden holds its runtime support's title in place of the support's text, which is
+pinned once per part (tests/golden/runtime/<part>.py); ``full_artifact`` puts it
+back. The eager cases capture live; the inductor ones render a hand-built
+``CaptureResult`` around the canned Inductor module in tests/fixtures/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+import precompile_gen as pg
+from precompile_gen.capture_result import (
+    CompiledGraph,
+    InputLeaf,
+    ModuleArgument,
+    StateTensor,
+)
+from precompile_gen.codegen import inductor_imports, render
+from precompile_gen.codegen.sections import sections_by_key
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+GOLDEN_DIR = TESTS_DIR / "golden"
+FIXTURE_DIR = TESTS_DIR / "fixtures"
+RUNTIME_DIR = GOLDEN_DIR / "runtime"
+# What a golden holds in place of the runtime support's text.
+RUNTIME_PLACEHOLDER = (
+    "# (its text: its parts in tests/golden/runtime/, pinned once for every golden)\n"
+)
+_RUNTIME_TITLE = re.compile(r"Runtime support: (.+) \(sha256 [0-9a-f]{64}\)")
+
+
+def runtime_parts(text: str) -> tuple[str, ...]:
+    """The runtime support's parts, as an artifact's (or golden's) title names them."""
+    title = sections_by_key(text)["runtime"].title
+    found = _RUNTIME_TITLE.fullmatch(title)
+    assert found is not None, title
+    return tuple(found.group(1).split(" + "))
+
+
+def pinned_part(part: str) -> Path:
+    return RUNTIME_DIR / f"{part}.py"
+
+
+def pinned_runtime(parts: tuple[str, ...]) -> str:
+    """The runtime support with these parts, as the pinned parts compose it."""
+    texts = [pinned_part(part).read_text(encoding="utf-8") for part in parts]
+    return render.compose_runtime(texts)
+
+
+def split_runtime(text: str) -> tuple[str, str]:
+    """An artifact as its golden holds it, and its runtime support's text."""
+    runtime = sections_by_key(text)["runtime"]
+    start = sum(len(line) for line in runtime.lines[:3])
+    offset = text.index(runtime.text) + start
+    body = runtime.body
+    return text[:offset] + RUNTIME_PLACEHOLDER + text[offset + len(body) :], body
+
+
+def full_artifact(golden: str) -> str:
+    """The artifact a golden stands for: the pinned runtime support in its place."""
+    body = pinned_runtime(runtime_parts(golden))
+    assert golden.count(RUNTIME_PLACEHOLDER) == 1
+    return golden.replace(RUNTIME_PLACEHOLDER, body)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    loss = nn.functional.mse_loss(model(x), target)
+    loss.backward()
+    return loss.detach()
+
+
+def two_towers(
+    encoder: nn.Module, batch: dict[str, torch.Tensor], head: nn.Module
+) -> dict[str, object]:
+    features = encoder(batch["x"])
+    return {"logits": head(features), "features": features, "count": 2}
+
+
+def masked_twice(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # A tensor literal (with a non-finite value) and two arguments that may alias.
+    mask = torch.tensor([0.0, float("-inf")])
+    return torch.softmax(model(x) + mask, dim=-1) * y.sum()
+
+
+def eager_literals_aliasing() -> pg.CaptureResult:
+    x = torch.randn(3, 4)
+    return pg.capture(masked_twice, _mlp(), x, x, backend="eager")
+
+
+def eager_inference() -> pg.CaptureResult:
+    return pg.capture(predict, _mlp(), torch.randn(3, 4), backend="eager")
+
+
+def eager_train_step() -> pg.CaptureResult:
+    return pg.capture(
+        train_step, _mlp(), torch.randn(3, 4), torch.randn(3, 2), backend="eager"
+    )
+
+
+def eager_multi_module() -> pg.CaptureResult:
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
+    head = nn.Linear(6, 3)
+    batch = {"x": torch.randn(5, 4)}
+    return pg.capture(two_towers, encoder, batch, head, backend="eager")
+
+
+_LEAF = '{"type": null, "context": null, "children_spec": []}'
+
+
+def inductor_inference() -> pg.CaptureResult:
+    """``predict`` on the MLP, as the inductor backend captures it (written out by
+    hand; the graph is the canned module, its imports rewritten as lowering does)."""
+    source, rewritten_imports = inductor_imports.rewrite(
+        (FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
+        {"addmm": torch.addmm},
+    )
+    weights = [("0.weight", (8, 4), (4, 1)), ("0.bias", (8,), (1,))]
+    weights += [("2.weight", (2, 8), (8, 1)), ("2.bias", (2,), (1,))]
+    return pg.CaptureResult(
+        backend="inductor",
+        fn_name="predict",
+        num_positional_args=2,
+        argument_names=["model", "x"],
+        # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
+        modules=[ModuleArgument(position=0, training=[True] * 4, hooks={})],
+        global_module_hooks={},
+        python_values=[],
+        optimizers=[],
+        params=[
+            StateTensor(name, shape, stride, "torch.float32", "cpu", True)
+            for name, shape, stride in weights
+        ],
+        buffers=[],
+        grad_param_indices=[],
+        grad_resets=[],
+        in_spec=(
+            '[1, {"type": "builtins.tuple", "context": "null", "children_spec": '
+            f"[{_LEAF}]}}]"
+        ),
+        out_spec=f"[1, {_LEAF}]",
+        in_structure="(*,)",
+        out_structure="*",
+        scalar_outputs=[],
+        leaves=[
+            InputLeaf(
+                shape=(3, 4),
+                dtype="torch.float32",
+                device="cpu",
+                bounds=None,
+                symbols=None,
+                stride=(4, 1),
+                value=None,
+            )
+        ],
+        aliased_inputs=[],
+        graph=CompiledGraph(
+            source=source,
+            tensor_literals=[],
+            input_names=["p_0_weight", "p_0_bias", "p_2_weight", "p_2_bias", "x"],
+            imports=[],
+            branches=[],
+            rewritten_imports=rewritten_imports,
+            positional_names=["arg0_1", "arg1_1", "arg2_1", "arg3_1", "arg4_1"],
+        ),
+        # The canned graph's kernels are not compiled here: nothing is pinned.
+        kernel_binaries={},
+        kernel_sources={},
+        cache_artifact=None,
+    )
+
+
+def reset_and_step(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    model.zero_grad()
+    return train_step(model, x, target)
+
+
+def eager_grad_resets() -> pg.CaptureResult:
+    return pg.capture(
+        reset_and_step, _mlp(), torch.randn(3, 4), torch.randn(3, 2), backend="eager"
+    )
+
+
+def sgd_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    target: torch.Tensor,
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = train_step(model, x, target)
+    optimizer.step()
+    return loss
+
+
+def eager_optimizer_step() -> pg.CaptureResult:
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return pg.capture(
+        sgd_step,
+        model,
+        optimizer,
+        torch.randn(3, 4),
+        torch.randn(3, 2),
+        backend="eager",
+    )
+
+
+def scaled(model: nn.Module, x: torch.Tensor, scale: float, act: str) -> torch.Tensor:
+    out = model(x) * scale
+    return torch.relu(out) if act == "relu" else out
+
+
+def eager_scalar_inputs() -> pg.CaptureResult:
+    return pg.capture(scaled, _mlp(), torch.randn(3, 4), 0.5, "relu", backend="eager")
+
+
+def inductor_dynamic_dims() -> pg.CaptureResult:
+    """The inductor capture with its batch dim marked (``mark_unbacked(x, 0, min=2,
+    max=64)``), written out by hand around the same canned module: only the driver
+    and metadata are pinned here."""
+    cap = inductor_inference()
+    leaf = cap.leaves[0]._replace(
+        shape=(None, 4), bounds={0: (2, 64)}, symbols={0: "u0"}, stride=None
+    )
+    return dataclasses.replace(cap, leaves=[leaf])
+
+
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Scores(NamedTuple):
+    logits: torch.Tensor
+    total: torch.Tensor
+
+
+def score_pair(model: nn.Module, pair: Pair) -> Scores:
+    logits = model(pair.x) + model(pair.y)
+    return Scores(logits, logits.sum())
+
+
+def eager_pytree_types() -> pg.CaptureResult:
+    pair = Pair(torch.randn(3, 4), torch.randn(3, 4))
+    return pg.capture(score_pair, _mlp(), pair, backend="eager")
+
+
+# One golden per combination of features that changes the emitted driver, so a
+# template change shows in exactly the goldens whose feature it touches.
+CASES: dict[str, Callable[[], pg.CaptureResult]] = {
+    "eager_inference": eager_inference,
+    "eager_train_step": eager_train_step,
+    "eager_grad_resets": eager_grad_resets,
+    "eager_optimizer_step": eager_optimizer_step,
+    "eager_multi_module": eager_multi_module,
+    "eager_scalar_inputs": eager_scalar_inputs,
+    "eager_literals_aliasing": eager_literals_aliasing,
+    "eager_pytree_types": eager_pytree_types,
+    "inductor_inference": inductor_inference,
+    "inductor_dynamic_dims": inductor_dynamic_dims,
+}

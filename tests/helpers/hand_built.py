@@ -1,0 +1,45 @@
+"""A capture no tracer made, rendered in the test process and in child processes,
+which must render the same bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import precompile_gen as pg
+from precompile_gen.capture_result import InputLeaf, ModuleArgument, StateTensor
+from precompile_gen.codegen.stubs import stub_capture
+
+
+def hand_built_capture() -> pg.CaptureResult:
+    """A capture no tracer made: dicts and non-ASCII text exercise the literal
+    renderer's ordering and escaping."""
+    return dataclasses.replace(
+        stub_capture("eager"),
+        fn_name="hand_built",
+        num_positional_args=3,
+        modules=[
+            ModuleArgument(0, [True], {}),
+            ModuleArgument(2, [False, True], {"1": {"forward hook": 2}}),
+        ],
+        params=[
+            StateTensor("m0.w\u00e9ight", (4, 4), (4, 1), "torch.float32", "cpu", True),
+            StateTensor("m1.bias", (4,), (1,), "torch.bfloat16", "cpu", True),
+        ],
+        grad_param_indices=[1],
+        leaves=[
+            InputLeaf(
+                (None, 4),
+                "torch.float32",
+                "cpu",
+                {1: (None, 9), 0: (1, 64)},
+                {0: "u0"},
+                None,
+                None,
+            ),
+            InputLeaf(None, None, None, None, None, None, 0.1),
+        ],
+        graph=dataclasses.replace(
+            stub_capture("eager").graph,
+            input_names=["p_m0_w", "p_m1_bias", "b_running_mean", "x", "y", "lit0"],
+        ),
+    )
