@@ -125,16 +125,16 @@ GRAD_RESETS: list[tuple[int, bool]] = []
 # input structure could not be serialised; it is then not checked.
 # IN_SPEC: (Pair(x=*, y=*),)
 IN_SPEC: str | None = (
-    '[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": "test_golden:Pair", "context": "[[\\"x\\", \\"y\\"], []]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]'
+    '[1, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": "helpers.golden:Pair", "context": "[[\\"x\\", \\"y\\"], []]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]'
 )
 # OUT_SPEC: Scores(logits=*, total=*)
 OUT_SPEC: str = (
-    '[1, {"type": "collections.namedtuple", "context": "test_golden:Scores", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]'
+    '[1, {"type": "collections.namedtuple", "context": "helpers.golden:Scores", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]'
 )
 # The namedtuple and dataclass types in IN_SPEC and OUT_SPEC, by import path
 # ("module:qualname"), under which the specs name them: the driver imports each one
 # when the artifact is loaded, so that a call returns the same types.
-PYTREE_TYPES: list[str] = ["test_golden:Pair", "test_golden:Scores"]
+PYTREE_TYPES: list[str] = ["helpers.golden:Pair", "helpers.golden:Scores"]
 # Per flattened input leaf: shape (None for a dynamic dim), dtype and device, or None
 # for a non-tensor leaf; and the declared {dim: (min, max)} of its dynamic dims.
 USER_INPUT_SHAPES: list[tuple[int | None, ...] | None] = [(3, 4), (3, 4)]

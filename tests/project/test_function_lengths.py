@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("precompile_gen", "templates/runtime", "tools", "benchmarks")
 MOST_LINES = 60
 
