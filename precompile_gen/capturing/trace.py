@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import math
 from collections.abc import Callable, Generator
@@ -50,11 +49,13 @@ from precompile_gen.capturing import (
     dtensors,
     dynamic_dims,
     grad_resets,
+    graph_checks,
     graph_names,
     optimizers,
     python_state,
     pytree_types,
     sparse_gradients,
+    tensor_literals,
     update_order,
 )
 from precompile_gen.codegen import convention
@@ -237,7 +238,7 @@ def trace(
         dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
     updates = _read_updates(gm, call, lifted, inputs, harvest)
     constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
-    _check_graph_ops(gm)
+    graph_checks.check_graph_ops(gm)
     _hoist_updates(gm, lifted.state, inputs)
     local = None
     # Optimizer state is a DTensor only where its parameter is.
@@ -761,7 +762,7 @@ def _constants_as_inputs(
 ) -> list[tuple[str, torch.Tensor]]:
     """The tensor literals fn created, lifted to the graph's last inputs and
     appended to ``flat_args`` (as fakes in a symbolic trace)."""
-    constants = _lift_constants(
+    constants = tensor_literals.lift_constants(
         gm, fn, call.modules, call.module_positions, call.argument_names
     )
     if symbolic is None:
@@ -769,14 +770,6 @@ def _constants_as_inputs(
     else:
         flat_args += [symbolic.fake_mode.from_tensor(t) for _, t in constants]
     return constants
-
-
-def _check_graph_ops(gm: torch.fx.GraphModule) -> None:
-    """Refuse the ops the artifact cannot carry; drop the profiler's markers first,
-    which it has no use for."""
-    _reject_control_flow(gm)
-    _drop_profiler_ranges(gm)
-    _reject_effectful_ops(gm)
 
 
 def _hoist_updates(
@@ -1123,182 +1116,6 @@ def _reject_stray_grads(
             )
 
 
-# How many elements a tensor literal may have to be kept in the artifact as text.
-MAX_CONSTANT_ELEMENTS = 4096
-# make_fx records ``torch.tensor(data)`` as a constant that one of these copies into
-# the graph: the mark of a tensor fn created from Python data, rather than one that
-# existed before fn ran (which make_fx reads directly).
-_FRESH_TENSOR_OPS = (
-    torch.ops.aten.lift_fresh_copy.default,
-    torch.ops.aten.lift_fresh.default,
-)
-# The dtypes whose values ``tolist()`` gives as Python bools, ints and floats.
-_LITERAL_DTYPES = frozenset(
-    (
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-    )
-)
-
-
-def _lift_constants(
-    gm: torch.fx.GraphModule,
-    fn: Callable[..., object],
-    modules: list[torch.nn.Module],
-    module_positions: list[int],
-    arguments: list[str],
-) -> list[tuple[str, torch.Tensor]]:
-    """Turn each tensor literal fn created (``torch.tensor(-100.0)``) into a graph
-    input after the user-input leaves, which the artifact feeds from a literal; reject
-    every other tensor the graph reads that is neither an input nor computed: it
-    existed before fn ran, may change between calls, and would be baked in."""
-    origins = _tensor_origins(fn, modules, module_positions, arguments)
-    literals: list[tuple[torch.fx.Node, torch.Tensor]] = []
-    rejected = []
-    for node in gm.graph.find_nodes(op="get_attr"):
-        tensor = getattr(gm, str(node.target))
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        fresh = bool(node.users) and all(
-            user.target in _FRESH_TENSOR_OPS for user in node.users
-        )
-        problem = _literal_problem(tensor) if fresh else None
-        if fresh and id(tensor) not in origins and problem is None:
-            literals.append((node, tensor))
-            continue
-        where = origins.get(
-            id(tensor),
-            "a tensor created inside the function from Python data, e.g. "
-            f"torch.tensor([...]), {problem}"
-            if fresh
-            else "a tensor that existed before the function ran (e.g. one held by "
-            "a library or a closure)",
-        )
-        rejected.append(f"{where} (shape {tuple(tensor.shape)}, {tensor.dtype})")
-    if rejected:
-        raise PrecompileError(
-            "the function reads tensors that are neither inputs nor computed from "
-            "inputs, so they would be baked into the artifact as constants: "
-            + "; ".join(rejected)
-            + ". Pass each one as an argument: register module state with "
-            "register_buffer / nn.Parameter, and pass large literals in as inputs."
-        )
-    return _as_graph_inputs(gm, literals)
-
-
-def _literal_problem(tensor: torch.Tensor) -> str | None:
-    """Why ``tensor`` cannot be written into the artifact as a literal, or None."""
-    if tensor.numel() > MAX_CONSTANT_ELEMENTS:
-        return (
-            f"with {tensor.numel()} elements, more than the {MAX_CONSTANT_ELEMENTS} "
-            "the artifact keeps as a readable literal"
-        )
-    if tensor.dtype not in _LITERAL_DTYPES:
-        return f"of dtype {tensor.dtype}, which has no Python literal"
-    if torch.tensor(tensor.tolist()).shape != tensor.shape:
-        return f"of shape {tuple(tensor.shape)}, which a nested list cannot express"
-    return None
-
-
-def _as_graph_inputs(
-    gm: torch.fx.GraphModule, literals: list[tuple[torch.fx.Node, torch.Tensor]]
-) -> list[tuple[str, torch.Tensor]]:
-    """Replace each literal's ``get_attr`` with a placeholder after the others."""
-    if not literals:
-        return []
-    graph = gm.graph
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    lifted = []
-    # Each insertion lands right after the last placeholder, so insert in reverse.
-    with graph.inserting_after(placeholders[-1]):
-        for index, (node, tensor) in reversed(list(enumerate(literals))):
-            placeholder = graph.placeholder(f"literal{index}")
-            node.replace_all_uses_with(placeholder)
-            graph.erase_node(node)
-            delattr(gm, str(node.target))
-            lifted.append((placeholder.name, tensor.detach()))
-    lifted.reverse()
-    _unpack_inputs(gm, len(placeholders) + len(lifted))
-    return lifted
-
-
-def _unpack_inputs(gm: torch.fx.GraphModule, count: int) -> None:
-    """After placeholders were added or removed: make_fx's code takes one list
-    argument and unpacks it by its in_spec, which must say ``count`` inputs."""
-    codegen = cast(Any, gm.graph._codegen)
-    flat = [0] * count
-    codegen.pytree_info = codegen.pytree_info._replace(
-        in_spec=pytree.tree_structure((flat,))
-    )
-    gm.recompile()
-
-
-def _tensor_origins(
-    fn: Callable[..., object],
-    modules: list[torch.nn.Module],
-    module_positions: list[int],
-    arguments: list[str],
-) -> dict[int, str]:
-    """Where a closed-over tensor could come from, by identity."""
-    origins: dict[int, str] = {}
-    try:
-        closure = inspect.getclosurevars(fn)
-        scopes = {"global": closure.globals, "closed-over variable": closure.nonlocals}
-    except TypeError:  # builtins and callable objects have no code to inspect
-        scopes = {}
-    for scope, variables in scopes.items():
-        for name, value in variables.items():
-            if isinstance(value, torch.Tensor):
-                origins[id(value)] = f"the {scope} {name!r}"
-    for position, module in zip(module_positions, modules, strict=True):
-        for path, submodule in module.named_modules():
-            registered = {**submodule._parameters, **submodule._buffers}
-            for name, value in vars(submodule).items():
-                if isinstance(value, torch.Tensor) and name not in registered:
-                    qualified = f"{path}.{name}" if path else name
-                    origins[id(value)] = (
-                        f"the plain attribute {qualified!r} of the module at "
-                        f"{convention.argument(position, arguments)} (not a "
-                        "registered parameter or buffer)"
-                    )
-    return origins
-
-
-def _reject_control_flow(gm: torch.fx.GraphModule) -> None:
-    # torch.cond's branches travel with the graph (each a GraphModule it reads by
-    # name, which lowering writes out); the bodies of other control-flow operators
-    # do not, nor a tensor a branch reads besides its operands.
-    for module in gm.modules():
-        for node in cast(torch.fx.GraphModule, module).graph.find_nodes(op="get_attr"):
-            if isinstance(getattr(module, str(node.target)), torch.fx.GraphModule):
-                _reject_loop_body(node)
-            elif module is not gm:
-                raise PrecompileError(
-                    "a torch.cond branch reads a tensor that is not one of its "
-                    "operands, e.g. a torch.tensor(...) created inside the branch. "
-                    "Create it before torch.cond and pass it in the operands."
-                )
-
-
-def _reject_loop_body(subgraph: torch.fx.Node) -> None:
-    for user in subgraph.users:
-        if user.target is not torch.ops.higher_order.cond:
-            raise PrecompileError(
-                f"the function uses the control-flow operator {user.target} "
-                "(torch.while_loop, torch.map, scan, ...), whose body the artifact "
-                "cannot carry; only torch.cond is supported. Compute with a fixed "
-                "number of steps, or move the loop out of the function."
-            )
-
-
 def _finish_optimizers(
     gm: torch.fx.GraphModule,
     flat_args: list[object],
@@ -1358,42 +1175,7 @@ def _drop_inputs(gm: torch.fx.GraphModule, positions: list[int]) -> None:
     placeholders = list(graph.find_nodes(op="placeholder"))
     for position in positions:
         graph.erase_node(placeholders[position])
-    _unpack_inputs(gm, len(placeholders) - len(positions))
-
-
-# The ranges torch.profiler records around an optimizer's step: markers for a
-# profiler, which an artifact's graph has no use for.
-_PROFILER_OPS = (
-    torch.ops.profiler._record_function_exit._RecordFunction,
-    torch.ops.profiler._record_function_enter_new.default,
-)
-
-
-def _drop_profiler_ranges(gm: torch.fx.GraphModule) -> None:
-    graph = gm.graph
-    dropped = False
-    for target in _PROFILER_OPS:
-        for node in list(graph.find_nodes(op="call_function", target=target)):
-            if not node.users:
-                graph.erase_node(node)
-                dropped = True
-    if dropped:
-        gm.recompile()
-
-
-def _reject_effectful_ops(gm: torch.fx.GraphModule) -> None:
-    from torch._higher_order_ops.effects import _get_effect
-
-    for node in gm.graph.nodes:
-        is_op = node.op == "call_function" and isinstance(
-            node.target, torch._ops.OpOverload
-        )
-        if is_op and _get_effect(node.target) is not None:
-            raise PrecompileError(
-                f"the function calls the effectful operator {node.target} (it has side "
-                "effects that must be ordered, such as printing), which cannot be "
-                "captured into a functional artifact. Move it out of the function."
-            )
+    tensor_literals.unpack_inputs(gm, len(placeholders) - len(positions))
 
 
 def _version(value: object) -> int | None:
