@@ -7,6 +7,7 @@ epilogue), whose compiled binaries go into the cache.
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import NamedTuple
 
@@ -343,7 +344,9 @@ def _inductor_graph(
     options = _inductor_options(traced)
     _random_fills_in_eager_layout(traced.gm)
     _scale_before_add(traced.gm)
-    _channels_last_once(traced.gm)
+    if _convolutions_laid_out_channels_last(traced.gm):
+        _channels_last_once(traced.gm)
+        _weight_gradients_in_weight_layout(traced.gm)
     try:
         # compile_to_python applies ``options`` to Inductor's compile only, after
         # AOTAutograd has decomposed the graph with the decompositions of the ambient
@@ -451,6 +454,17 @@ _CONVOLUTION_OPERANDS = {
 }
 
 
+def _convolutions_laid_out_channels_last(gm: torch.fx.GraphModule) -> bool:
+    """Whether Inductor will lay this training step's convolutions out
+    channels-last (its layout optimisation, which it decides on the whole graph)."""
+    backward = torch.ops.aten.convolution_backward.default
+    if not gm.graph.find_nodes(op="call_function", target=backward):
+        return False
+    from torch._inductor.graph import GraphLowering
+
+    return GraphLowering.decide_layout_opt(gm, is_inference=False)
+
+
 def _channels_last_once(gm: torch.fx.GraphModule) -> None:
     """Give each weight or activation that a training step's convolutions read
     one channels-last copy, which its forward and backward convolutions share.
@@ -463,13 +477,6 @@ def _channels_last_once(gm: torch.fx.GraphModule) -> None:
     torch.compile's forward saves one for its backward. An activation's other
     readers read the copy too, so that the activation is laid out once."""
     graph = gm.graph
-    backward = torch.ops.aten.convolution_backward.default
-    if not graph.find_nodes(op="call_function", target=backward):
-        return
-    from torch._inductor.graph import GraphLowering
-
-    if not GraphLowering.decide_layout_opt(gm, is_inference=False):
-        return
     position = {node: index for index, node in enumerate(graph.nodes)}
     writes = update_order.write_positions(gm)
     changed = False
@@ -499,6 +506,53 @@ def _channels_last_once(gm: torch.fx.GraphModule) -> None:
     if changed:
         graph.lint()
         gm.recompile()
+
+
+def _weight_gradients_in_weight_layout(gm: torch.fx.GraphModule) -> None:
+    """Hand each convolution weight's gradient to its readers in the weight's own
+    layout, copied in a kernel of its own.
+
+    A channels-last convolution backward returns the weight's gradient
+    channels-last. Read so, an optimizer's update of a contiguous weight becomes a
+    fused kernel that transposes in small tiles of the kernel's 3x3 positions, a few
+    times slower than the same update on a gradient laid out like the weight plus
+    the copy that lays it out (torch.compile's gradient accumulation makes that
+    copy too)."""
+    # Registers torch.ops.prims.inductor_force_stride_order.
+    import torch._inductor.inductor_prims
+
+    force_stride_order = torch.ops.prims.inductor_force_stride_order.default
+    graph = gm.graph
+    backward = torch.ops.aten.convolution_backward.default
+    changed = False
+    for node in graph.find_nodes(op="call_function", target=backward):
+        weight = node.args[2]
+        if _is_channels_last_copy(weight):
+            weight = weight.args[0]
+        layout = tuple(weight.meta["val"].stride())
+        if not all(type(stride) is int for stride in layout):
+            continue  # a dynamic capture's symbolic strides: Inductor's layout
+        for gradient in list(node.users):
+            if gradient.target is not operator.getitem or gradient.args[1] != 1:
+                continue
+            with graph.inserting_after(gradient):
+                copy = graph.call_function(force_stride_order, (gradient, layout))
+            copy.meta["val"] = force_stride_order(gradient.meta["val"], layout)
+            gradient.replace_all_uses_with(
+                copy, delete_user_cb=lambda user, copy=copy: user is not copy
+            )
+            changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+
+
+def _is_channels_last_copy(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a copy ``_channels_last_once`` made."""
+    return (
+        node.target is torch.ops.aten.clone.default
+        and node.kwargs.get("memory_format") is torch.channels_last
+    )
 
 
 def _convolution_operands(graph: torch.fx.Graph) -> list[torch.fx.Node]:

@@ -524,6 +524,29 @@ def test_a_convolution_step_lays_each_operand_out_once() -> None:
         assert node.args[1] not in copies, node
 
 
+def test_a_weights_gradient_is_laid_out_as_the_weight() -> None:
+    # The channels-last backward's weight gradient reaches the optimizer through a
+    # copy in the weight's own (contiguous) layout.
+    torch.manual_seed(0)
+    model = ConvBlock()
+    example = (model, *adamw(model), batch(2, 3, 8, 8))
+    gm = trace(conv_step, example, backend="inductor").gm
+    lower._channels_last_once(gm)
+    lower._weight_gradients_in_weight_layout(gm)
+    backward = gm.graph.find_nodes(
+        op="call_function", target=torch.ops.aten.convolution_backward.default
+    )
+    assert backward
+    for node in backward:
+        (gradient,) = [user for user in node.users if user.args[1] == 1]
+        (copy,) = gradient.users
+        assert copy.target is torch.ops.prims.inductor_force_stride_order.default
+        weight = node.args[2].args[0]
+        assert weight.op == "placeholder"
+        assert copy.args[1] == weight.meta["val"].stride()
+        assert copy.meta["val"].is_contiguous()
+
+
 def test_a_channels_last_copy_is_read_only_until_its_tensor_is_written() -> None:
     # A view taken before an in-place update is the same graph node after it: the
     # convolution that reads it after the update must not read the copy made before.
