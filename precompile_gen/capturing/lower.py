@@ -366,7 +366,10 @@ def _inductor_graph(
         raise _compile_error(error) from error
 
 
-def _inductor_options(traced: TracedGraph) -> dict[str, bool]:
+def _inductor_options(traced: TracedGraph) -> dict[str, object]:
+    # Imports Inductor, which a capture for the eager backend need not.
+    from precompile_gen.capturing import recompute
+
     # size_asserts bakes every input's layout into assert_size_stride, which the
     # driver turns into a clear error; the user's ambient config must not remove it.
     # For a dynamic capture, scalar_asserts keeps the range checks on the unbacked
@@ -377,10 +380,13 @@ def _inductor_options(traced: TracedGraph) -> dict[str, bool]:
     # fallback_random draws random numbers (dropout masks) with eager's own ops, in
     # the graph's order: Inductor's own RNG kernels draw them in the order its
     # scheduler picks, so a seeded call would not give eager's masks.
+    # The post-grad pass frees cheap activations between the forward and the
+    # backward of a step captured whole, as torch.compile's partitioner does.
     return {
         "size_asserts": True,
         "scalar_asserts": dynamic,
         "fallback_random": True,
+        "post_grad_custom_post_pass": recompute.RecomputeFarReads(),
     }
 
 
