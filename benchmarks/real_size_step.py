@@ -2,6 +2,7 @@
 
     python benchmarks/real_size_step.py            # resnet18 and GPT-2 small
     python benchmarks/real_size_step.py --quick    # small configs, to try the script
+    python benchmarks/real_size_step.py --profile  # where the time goes, by op
 
 Two models with random weights (no download), each trained with AdamW inside the
 step, as a user writes it:
@@ -289,11 +290,91 @@ def _report(label: str, times: dict[str, float], peaks: dict[str, int]) -> bool:
     )
 
 
+# Where the time goes: each op's self time, by what it is.
+
+PROFILE_SYSTEMS = ("torch.compile", "precompile_gen")
+CATEGORIES = (
+    "convolutions, matmuls (ATen)",
+    "fused kernels (Inductor)",
+    "random draws (ATen)",
+    "copies (ATen)",
+    "other ops",
+    "outside any op",
+)
+
+
+def _category(key: str) -> str:
+    """The category of a profiler event's name; the kernel names are Inductor's
+    (``cpp_fused_...``, prefixed with ``graph_N_`` in torch.compile's graphs)."""
+    if "cpp_fused" in key:
+        return CATEGORIES[1]
+    if key.startswith("aten::") and any(
+        name in key for name in ("mm", "convolution", "linear", "matmul")
+    ):
+        return CATEGORIES[0]
+    if key in ("aten::bernoulli_", "aten::uniform_", "aten::normal_"):
+        return CATEGORIES[2]
+    if key == "aten::copy_":
+        return CATEGORIES[3]
+    return CATEGORIES[4]
+
+
+Breakdown = dict[str, dict[str, float]]
+
+
+def profile_step(case: Case, quick: bool, artifact: Path, steps: int = 3) -> Breakdown:
+    """Milliseconds per step in each category, torch.compile's and the artifact's,
+    with Inductor's kernels recording themselves (an artifact captured so)."""
+    breakdown: Breakdown = {}
+    for system in PROFILE_SYSTEMS:
+        one_step = _stepper(system, case, quick, artifact)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as profile:
+            for _ in range(steps):
+                one_step()
+        wall = (time.perf_counter() - start) / steps * 1e3
+        times = dict.fromkeys(CATEGORIES, 0.0)
+        for event in profile.key_averages():
+            times[_category(event.key)] += event.self_cpu_time_total / steps / 1e3
+        times[CATEGORIES[-1]] = wall - sum(times.values())
+        breakdown[system] = times
+    return breakdown
+
+
+def _print_profile(label: str, breakdown: Breakdown) -> None:
+    print(f"\n{label}: ms per step, by op (self time)")
+    print(f"{'':<30}" + "".join(f"{system:>16}" for system in PROFILE_SYSTEMS))
+    for category in CATEGORIES:
+        print(
+            f"{category:<30}"
+            + "".join(f"{breakdown[s][category]:16.0f}" for s in PROFILE_SYSTEMS)
+        )
+    totals = [sum(breakdown[s].values()) for s in PROFILE_SYSTEMS]
+    print(f"{'step (profiled)':<30}" + "".join(f"{t:16.0f}" for t in totals))
+
+
+def profile_cases(quick: bool, folder: Path) -> None:
+    from torch._inductor import config as inductor_config
+
+    # Kernels that record themselves, in both systems' compiles.
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        for index, case in enumerate(CASES[:2]):
+            artifact = folder / f"profiled{index}"
+            _write_artifact(case, quick, artifact)
+            _print_profile(case.label, profile_step(case, quick, artifact))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small configs")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--peak", nargs=3, metavar=("SYSTEM", "CASE", "ARTIFACT"))
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="where each step's time goes, by op, for torch.compile and the artifact",
+    )
     args = parser.parse_args()
     # load() warns before executing unsigned code; this script made the code itself.
     logging.getLogger("precompile_gen").setLevel(logging.ERROR)
@@ -302,6 +383,10 @@ def main() -> None:
         system, label, artifact = args.peak
         peak = peak_above_steady(system, cases[label], args.quick, Path(artifact))
         print(json.dumps({"peak": peak}))
+        return
+    if args.profile:
+        with tempfile.TemporaryDirectory() as folder:
+            profile_cases(args.quick, Path(folder))
         return
     print(
         f"{'step':<27}"
