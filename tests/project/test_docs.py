@@ -1,6 +1,7 @@
 """The README and docs/ say what the code does: the commands they give are the ones
-CI runs, the figures of the demo's report agree, and the generated gallery and the
-documented way to regenerate the goldens are current."""
+CI runs, the figures of the demo's report and of the real-size benchmark agree, and
+the generated gallery and the documented way to regenerate the goldens are
+current."""
 
 from __future__ import annotations
 
@@ -152,3 +153,22 @@ def test_documented_golden_update_command_regenerates_the_goldens(
         pinned = [copy / "golden" / "runtime" / f"{part}.py" for part in parts]
         texts = [path.read_text(encoding="utf-8") for path in pinned]
         assert compose_runtime(texts) == runtime
+
+
+def test_the_readmes_real_size_table_is_the_guides_run() -> None:
+    # Both quote one run of benchmarks/real_size_step.py: each README cell is the
+    # artifact's ratio and figures from the guide's full table.
+    guide = (REPO_ROOT / "docs" / "guide" / "performance.md").read_text("utf-8")
+    readme = README.read_text(encoding="utf-8")
+    rows = re.findall(
+        r"^\| (.+?) — (time|peak[^|]*) \| [^|]+ \| ([\d.]+) (ms|MiB), 1\.00 \| "
+        r"[^|]+ \| ([\d.]+) (?:ms|MiB), \*\*([\d.]+)\*\* \|$",
+        guide,
+        re.M,
+    )
+    assert len(rows) == 8
+    cells: dict[str, list[str]] = {}
+    for label, _, compiled, unit, ours, ratio in rows:
+        cells.setdefault(label, []).append(f"{ratio} ({ours} vs {compiled} {unit})")
+    for label, (time, peak) in cells.items():
+        assert f"| {label} | {time} | {peak} |" in readme
