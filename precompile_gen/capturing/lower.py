@@ -484,7 +484,7 @@ def _channels_last_once(gm: torch.fx.GraphModule) -> None:
     readers read the copy too, so that the activation is laid out once."""
     graph = gm.graph
     position = {node: index for index, node in enumerate(graph.nodes)}
-    writes = update_order.write_positions(gm)
+    writes = update_order.write_positions(graph)
     changed = False
     for operand in _convolution_operands(graph):
         # A reader after the tensor's memory is next written (the optimizer's

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from precompile_gen.capturing import update_order
+
 # A tensor worth freeing early holds at least this many bytes.
 _MIN_BYTES = 64 * 1024
 # Readers are far apart when more than this share of the graph's nodes, and more
@@ -32,13 +34,13 @@ _SMALL = 8
 
 
 class RecomputeFarReads(CustomGraphPass):
-    """The post-grad pass; ``uuid`` keys Inductor's cache on this file."""
+    """The post-grad pass; ``uuid`` keys Inductor's cache on its source."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         recompute_far_reads(graph)
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__,)).hex()
+        return get_hash_for_files((__file__, update_order.__file__)).hex()
 
 
 def recompute_far_reads(graph: torch.fx.Graph) -> int:
@@ -47,7 +49,7 @@ def recompute_far_reads(graph: torch.fx.Graph) -> int:
     nodes = list(graph.nodes)
     position = {node: float(index) for index, node in enumerate(nodes)}
     min_gap = max(_MIN_GAP, len(nodes) // _GAP_SHARE)
-    written = _written_storages(nodes, position)
+    written = update_order.write_positions(graph)
     count = 0
     for node in nodes:
         size = _nbytes(node)
@@ -104,7 +106,7 @@ def _plan(
     node: torch.fx.Node,
     at: torch.fx.Node,
     position: dict[torch.fx.Node, float],
-    written: dict[torch.fx.Node, list[float]],
+    written: dict[torch.fx.Node, list[int]],
     chain: list[torch.fx.Node],
 ) -> bool:
     """Append to ``chain``, inputs first, the ops that recompute ``node`` (part of
@@ -115,7 +117,7 @@ def _plan(
             continue
         # The recomputation must read what the original read: no op may write the
         # argument's memory before ``at``.
-        if any(p < position[at] for p in written.get(_storage(argument), [])):
+        if any(p < position[at] for p in written.get(argument, [])):
             return False
         if argument.op == "placeholder" or _alive_at(argument, at, position):
             continue
@@ -145,7 +147,10 @@ def _pure(node: torch.fx.Node) -> bool:
         return False
     if torch.Tag.nondeterministic_seeded in target.tags:
         return False
-    if any(_writes(argument) for argument in target._schema.arguments):
+    if any(
+        argument.alias_info is not None and argument.alias_info.is_write
+        for argument in target._schema.arguments
+    ):
         return False
     return torch.Tag.pointwise in target.tags or _is_view(node)
 
@@ -160,38 +165,6 @@ def _is_view(node: torch.fx.Node) -> bool:
         and returns[0].alias_info is not None
         and not returns[0].alias_info.is_write
     )
-
-
-def _writes(argument: torch._C.Argument) -> bool:
-    return argument.alias_info is not None and argument.alias_info.is_write
-
-
-def _storage(node: torch.fx.Node) -> torch.fx.Node:
-    """The node whose tensor's memory ``node``'s value is: views share their base's."""
-    while _is_view(node) and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node
-
-
-def _written_storages(
-    nodes: list[torch.fx.Node], position: dict[torch.fx.Node, float]
-) -> dict[torch.fx.Node, list[float]]:
-    """For each tensor's memory that an op writes (a ``copy_`` into an input), the
-    positions of those writes."""
-    written: dict[torch.fx.Node, list[float]] = {}
-    for node in nodes:
-        target = node.target
-        if not isinstance(target, torch._ops.OpOverload):
-            continue
-        for index, argument in enumerate(target._schema.arguments):
-            value = (
-                node.args[index]
-                if index < len(node.args)
-                else node.kwargs.get(argument.name)
-            )
-            if _writes(argument) and isinstance(value, torch.fx.Node):
-                written.setdefault(_storage(value), []).append(position[node])
-    return written
 
 
 def _nbytes(node: torch.fx.Node) -> int | None:

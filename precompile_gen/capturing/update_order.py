@@ -50,7 +50,7 @@ def writes_running_stats(
 def written_inputs(gm: torch.fx.GraphModule) -> set[int]:
     """Positions of the graph inputs that an op's schema says it writes, directly or
     through a view of them."""
-    storage = _storages(gm)
+    storage = _storages(gm.graph)
     written = set().union(*(_written(node, storage) for node in gm.graph.nodes))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return {i for i, node in enumerate(placeholders) if node in written}
@@ -61,7 +61,7 @@ def hoist_updates(gm: torch.fx.GraphModule, updated: set[int]) -> None:
     optimizer state) as early as the graph allows; see the module's docstring."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    storage = _storages(gm)
+    storage = _storages(gm.graph)
     targets = {storage[placeholders[i]] for i in updated if i < len(placeholders)}
     start = next(
         (i for i, n in enumerate(nodes) if targets & _written(n, storage)), None
@@ -132,12 +132,12 @@ def _anchor(
     return max(after, key=keys.__getitem__, default=None)
 
 
-def write_positions(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[int]]:
+def write_positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[int]]:
     """For each node, the positions (in graph order) of the ops that write its
     value's memory: in place, through a view, or as batch norm's running stats."""
-    storage = _storages(gm)
+    storage = _storages(graph)
     by_memory: dict[torch.fx.Node, list[int]] = {}
-    for index, node in enumerate(gm.graph.nodes):
+    for index, node in enumerate(graph.nodes):
         for memory in _written(node, storage):
             by_memory.setdefault(memory, []).append(index)
     return {node: by_memory.get(memory, []) for node, memory in storage.items()}
@@ -157,11 +157,11 @@ def _has_outside_effects(node: torch.fx.Node) -> bool:
     )
 
 
-def _storages(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+def _storages(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
     """For each node, the node whose tensor's memory its value is: a view's or an
     in-place op's result shares its argument's."""
     storage: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         storage[node] = node
         source = _aliased_argument(node)
         if source is not None and source in storage:

@@ -12,15 +12,20 @@ from precompile_gen.capturing import recompute
 GAP = 60
 
 
+def after_a_gap(t: torch.Tensor) -> torch.Tensor:
+    """``t`` plus one, GAP times: that many ops in the graph."""
+    for _ in range(GAP):
+        t = t + 1
+    return t
+
+
 def late_reader_step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # ``activation`` is read at once and again after GAP ops, which hold ``x`` and
     # ``w`` (the step's inputs) but not ``scaled``.
     scaled = x * w
     activation = torch.relu(scaled)
     early = activation.sum()
-    h = x
-    for _ in range(GAP):
-        h = h + 1
+    h = after_a_gap(x)
     return early, (activation * h).sum()
 
 
@@ -55,9 +60,7 @@ def test_an_input_written_in_between_is_not_read_again() -> None:
         activation = torch.relu(x * w)
         early = activation.sum()
         x.mul_(2)  # the recomputation would read the doubled x
-        h = w
-        for _ in range(GAP):
-            h = h + 1
+        h = after_a_gap(w)
         return early, (activation * h).sum()
 
     gm = traced(step, *inputs())
@@ -72,9 +75,7 @@ def test_a_tensor_made_by_a_matmul_is_kept() -> None:
     def step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         activation = torch.relu(x @ w.t() @ x)
         early = activation.sum()
-        h = x
-        for _ in range(GAP):
-            h = h + 1
+        h = after_a_gap(x)
         return early, (activation * h).sum()
 
     gm = traced(step, *inputs())
@@ -86,9 +87,7 @@ def test_a_random_draw_is_never_repeated() -> None:
     def step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         noise = torch.rand_like(x)
         early = noise.sum()
-        h = w
-        for _ in range(GAP):
-            h = h + 1
+        h = after_a_gap(w)
         return early, (noise * h).sum()
 
     gm = traced(step, *inputs())
