@@ -75,6 +75,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_STRIDES",
     "USER_INPUT_SYMBOLS",
     "USER_INPUT_VALUES",
+    "INDEX_CHECKS",
     "ALIASED_INPUTS",
     "MUTATED_INPUTS",
     "DTENSORS",
@@ -94,6 +95,7 @@ OPTIONAL_METADATA: dict[str, object] = {
     "PYTHON_VALUES": [],
     "PYTREE_TYPES": [],
     "MUTATED_INPUTS": [],
+    "INDEX_CHECKS": [],
     "OPTIMIZERS": [],
     "SCALAR_OUTPUTS": [],
     "PROCESS_GROUPS": [],
@@ -268,6 +270,23 @@ class InputLeaf(NamedTuple):
     value: LeafValue | None
 
 
+class IndexCheck(NamedTuple):
+    """An index the graph takes from a user-input leaf, which eager would refuse
+    outside a range: the driver checks it before the graph runs."""
+
+    # The leaf, and the ops (aten name and overload, then their arguments after the
+    # tensor) that select the graph's index from it; none where it is the whole leaf.
+    leaf: int
+    path: tuple[tuple[str, tuple[object, ...]], ...]
+    # Every value must satisfy low <= value < high, or equal ``allowed`` (a loss's
+    # ignore_index).
+    low: int
+    high: int
+    allowed: int | None
+    # What the graph indexes with it ("embedding rows of the model's 'emb.weight'").
+    what: str
+
+
 class TensorLiteral(NamedTuple):
     """A tensor the traced function created from Python data (``torch.tensor(...)``):
     a constant of the program, written into the artifact's graph section and fed to
@@ -389,6 +408,10 @@ class CaptureResult:
     # the driver copies an input leaf passed in another layout into the captured one,
     # except these, whose update the caller must see.
     mutated_inputs: list[int] = field(default_factory=list)
+    # The indices the graph takes from user-input leaves, each with the range eager
+    # holds it to: the driver checks them first, so that a bad index raises before
+    # any op runs (a compiled kernel's own check may abort the process instead).
+    index_checks: list[IndexCheck] = field(default_factory=list)
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:
@@ -411,6 +434,7 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         "OUT_SPEC": cap.out_spec,
         "PYTREE_TYPES": cap.pytree_types,
         **_user_input_constants(cap.leaves),
+        "INDEX_CHECKS": [tuple(check) for check in cap.index_checks],
         "ALIASED_INPUTS": cap.aliased_inputs,
         "MUTATED_INPUTS": cap.mutated_inputs,
         "DTENSORS": {

@@ -84,6 +84,7 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
         shard_outputs=traced.shard_outputs,
         pytree_types=traced.pytree_types,
         mutated_inputs=traced.mutated_inputs,
+        index_checks=traced.index_checks,
         graph=_compiled_graph(traced, graph),
         kernel_binaries=kernel_binaries.digests(graph.cache_artifact),
         kernel_sources=graph.kernel_sources,

@@ -31,6 +31,7 @@ from precompile_gen.capture_result import (
     Backend,
     DeferredStep,
     DTensorLayout,
+    IndexCheck,
     InputLeaf,
     LeafValue,
     ModuleArgument,
@@ -51,6 +52,7 @@ from precompile_gen.capturing import (
     grad_resets,
     graph_checks,
     graph_names,
+    index_checks,
     optimizers,
     python_state,
     pytree_types,
@@ -135,6 +137,8 @@ class TracedGraph:
     shard_outputs: dict[int, ShardOutput]
     # Positions of the module state and input leaves fn updated in place.
     mutated_inputs: list[int]
+    # The indices the graph takes from input leaves, with the range each must be in.
+    index_checks: list[IndexCheck]
     # The tensors fn created from Python data (torch.tensor(...)), by the name of the
     # graph input each became; they are the last inputs in ``flat_args``, after the
     # user-input leaves and the optimizers' state and lr tensors.
@@ -799,9 +803,16 @@ def _record(
     """The captured graph and its calling convention; with DTensors on the inductor
     backend, the graph traced again on the local shards (``local``)."""
     flat_args = inputs.flat_args
+    state = lifted.state
+    # From the graph on whole tensors, which the call's leaves are.
+    checks = index_checks.index_checks(
+        gm,
+        len(state.tensors),
+        len(user.leaves),
+        state.param_names + state.buffer_names,
+    )
     if local is not None:
         gm, flat_args = local.gm, local.flat_args
-    state = lifted.state
     return TracedGraph(
         argument_names=call.argument_names,
         input_names=graph_names.graph_input_names(
@@ -828,6 +839,7 @@ def _record(
         shard_inputs={} if local is None else local.inputs,
         shard_outputs={} if local is None else local.outputs,
         mutated_inputs=updates.mutated_inputs,
+        index_checks=checks,
         constants=constants,
         grad_param_indices=harvest.grad_param_indices,
         scalar_outputs=harvest.scalar_outputs,

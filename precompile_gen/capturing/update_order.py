@@ -14,7 +14,9 @@ it saw them in. An op that writes a tensor still comes after every op that read 
 wrote it (or a view of it) before it, and an op that reads a tensor still comes
 after the last op that wrote it. Ops whose effects lie outside their tensors
 (random draws, collectives, anything without an ATen schema) keep their place
-relative to every op before them.
+relative to every op before them. And no write moves before an op that may refuse
+its index (``index_checks.FALLIBLE``) for the first time: should that op raise, the
+graph has written none of its inputs yet.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import itertools
 import operator
 
 import torch
+
+from precompile_gen.capturing import index_checks
 
 # Batch norms whose schemas leave the running stats (arguments 3 and 4) unannotated,
 # though they update them in training mode (argument 5).
@@ -75,11 +79,17 @@ def hoist_updates(gm: torch.fx.GraphModule, updated: set[int]) -> None:
     # Per memory: its last write, and its latest read or write in the new order.
     last_touch: dict[torch.fx.Node, torch.fx.Node] = {}
     latest: torch.fx.Node | None = nodes[start - 1] if start else None
+    fallible = _fallible_ops(nodes)
+    last_fallible: torch.fx.Node | None = None
     for index, node in enumerate(nodes):
         read = {storage[n] for n in node.all_input_nodes if n in storage}
         written = _written(node, storage)
         if index >= start:
             anchor = _anchor(node, read, written, keys, last_write, last_touch, latest)
+            if written and last_fallible is not None:
+                anchor = max(
+                    anchor or last_fallible, last_fallible, key=keys.__getitem__
+                )
             rank = followers.get(anchor, 0)
             followers[anchor] = rank + 1
             keys[node] = (keys[anchor] if anchor is not None else (-1,)) + (rank,)
@@ -92,9 +102,24 @@ def hoist_updates(gm: torch.fx.GraphModule, updated: set[int]) -> None:
                 last_touch[s] = node
         for s in written:
             last_write[s] = node
+        if node in fallible:
+            last_fallible = node
     _reorder(nodes, placeholders, sorted(nodes, key=keys.__getitem__))
     gm.graph.lint()
     gm.recompile()
+
+
+def _fallible_ops(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The ops that may refuse an index no earlier op has checked against the same
+    range (a gather's backward scatters with the index its forward checked)."""
+    checked: set[tuple[object, ...]] = set()
+    fallible: set[torch.fx.Node] = set()
+    for node in nodes:
+        for index, low, high, allowed, _ in index_checks.index_uses(node):
+            if (index, low, high, allowed) not in checked:
+                checked.add((index, low, high, allowed))
+                fallible.add(node)
+    return fallible
 
 
 def _reorder(

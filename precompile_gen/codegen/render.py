@@ -336,6 +336,8 @@ class DriverFeatures:
     # steps it takes for them after the graph.
     sparse_gradients: bool = False
     deferred_steps: bool = False
+    # Indices the graph takes from input leaves, checked against their range.
+    index_checks: bool = False
 
     @property
     def layouts(self) -> bool:
@@ -394,6 +396,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         local_shards=bool(cap.shard_inputs),
         sparse_gradients=cap.sparse_gradients is not None,
         deferred_steps=bool(cap.deferred_steps),
+        index_checks=bool(cap.index_checks),
     )
 
 

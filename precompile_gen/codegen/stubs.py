@@ -20,6 +20,7 @@ from precompile_gen.capture_result import (
     CompiledGraph,
     DeferredStep,
     DTensorLayout,
+    IndexCheck,
     InputLeaf,
     ModuleArgument,
     OptimizerArgument,
@@ -223,6 +224,9 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             source=format_python(_SPARSE_GRADIENTS_STUB),
         ),
         deferred_steps=[DeferredStep(position=4, name="SGD", params=[0])],
+        index_checks=[
+            IndexCheck(1, (("slice.Tensor", (1, 0, -1)),), 0, 50, -100, "loss classes")
+        ],
     )
     return _distributed(capture)
 

@@ -46,6 +46,7 @@ def test_stubs_cover_every_template() -> None:
             "module_state",
             "dtensors",
             "aliasing",
+            "index_checks",
             "layouts",
             "grad_resets",
             "gradients",

@@ -510,16 +510,19 @@ def forward(*args: object, **keywords: object) -> object:
     torch._C._set_grad_enabled(False)
     try:
         flat_outputs = call([*state.tensors, *leaves, *optimizer_inputs])
+    except BaseException:
+        _forget_checks()
+        raise
     finally:
         torch._C._set_grad_enabled(grad_enabled)
-    optimizers.mark_stepped(steps)
+    optimizers.finish(steps, state.tensors)
     num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
     _add_gradients(state.tensors, flat_outputs[num_results:])
     return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 bd11b8c4e2476c76cc49e6afadc4c4b4209164d2999e7f7fd78c4e677854a40c)
+# 4. Runtime support: support + optimizers (sha256 5184405db578c567dde21337d2f7b277a826f4c10a8f4e6a3135f99543374454)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

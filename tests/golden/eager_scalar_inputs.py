@@ -412,13 +412,16 @@ def forward(*args: object, **keywords: object) -> object:
     torch._C._set_grad_enabled(False)
     try:
         flat_outputs = call([*state.tensors, *leaves])
+    except BaseException:
+        _forget_checks()
+        raise
     finally:
         torch._C._set_grad_enabled(grad_enabled)
     return pytree.tree_unflatten(flat_outputs, _OUT_SPEC)
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
+# 4. Runtime support: support (sha256 4cbc22aa52858edc95a86fed60f6a2b81b018076d7a51fbf7303dddb194f75b4)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

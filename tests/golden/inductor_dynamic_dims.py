@@ -620,6 +620,7 @@ def forward(*args: object, **keywords: object) -> object:
     try:
         flat_outputs = call([*state.tensors, *leaves])
     except AssertionError as error:
+        _forget_checks()
         # The layouts were checked above; should Inductor's own assert_size_stride
         # still object, say so in the same terms. Any other assertion is not ours to
         # reinterpret.
@@ -636,11 +637,14 @@ def forward(*args: object, **keywords: object) -> object:
             "a contiguous example), or capture with backend='eager'. Inductor "
             f"reported: {text.splitlines()[0] if text else text}"
         )
+    except BaseException:
+        _forget_checks()
+        raise
     return pytree.tree_unflatten(flat_outputs, _OUT_SPEC)
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
+# 4. Runtime support: support (sha256 4cbc22aa52858edc95a86fed60f6a2b81b018076d7a51fbf7303dddb194f75b4)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -267,6 +267,20 @@ def eager_pytree_types() -> pg.CaptureResult:
     return pg.capture(score_pair, _mlp(), pair, backend="eager")
 
 
+def next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    # The ids are embedded and, shifted, the loss's targets: two index checks, the
+    # second through a slice.
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def eager_index_checks() -> pg.CaptureResult:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+    ids = torch.randint(0, 10, (2, 5))
+    return pg.capture(next_token_loss, model, ids, backend="eager")
+
+
 # One golden per combination of features that changes the emitted driver, so a
 # template change shows in exactly the goldens whose feature it touches.
 CASES: dict[str, Callable[[], pg.CaptureResult]] = {
@@ -278,6 +292,7 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
     "eager_scalar_inputs": eager_scalar_inputs,
     "eager_literals_aliasing": eager_literals_aliasing,
     "eager_pytree_types": eager_pytree_types,
+    "eager_index_checks": eager_index_checks,
     "inductor_inference": inductor_inference,
     "inductor_dynamic_dims": inductor_dynamic_dims,
 }

@@ -36,6 +36,9 @@ class _Step:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.fresh: list[int] = []
+        # The state created for them, which joins the optimizer's only once the
+        # graph has run: a call that fails leaves the optimizer as it was.
+        self.created: dict[int, dict[str, torch.Tensor]] = {}
 
 
 class _OptimizerArguments:
@@ -306,7 +309,7 @@ class _OptimizerArguments:
                 if index in fresh:
                     # What the optimizer's first step creates, in its order of keys:
                     # zeros like the parameter, and a step count of zero.
-                    optimizer.state[param] = {
+                    param_state = step.created[index] = {
                         key: (
                             torch.zeros(shape, dtype=dtype, device=device)
                             if key == "step"
@@ -314,7 +317,8 @@ class _OptimizerArguments:
                         )
                         for key, (shape, dtype, device) in zip(keys, signatures)
                     }
-                param_state = optimizer.state[param]
+                else:
+                    param_state = optimizer.state[param]
                 state.extend([param_state[key] for key in keys])
             for group, traced in zip(optimizer.param_groups, spec["groups"]):
                 dtype, device = traced["lr"]
@@ -325,10 +329,15 @@ class _OptimizerArguments:
                     lrs.append(torch.tensor(lr, dtype=_dtype(dtype), device=device))
         return state + lrs
 
-    def mark_stepped(self, steps: list[_Step]) -> None:
-        # A learning-rate scheduler wraps its optimizer's step() to note that it ran,
-        # and warns on its own step() if it did not: the artifact's step is that step.
+    def finish(self, steps: list[_Step], tensors: list[torch.Tensor]) -> None:
+        """After the graph ran: the state its first step created joins each
+        optimizer's, and a scheduler learns that the optimizer stepped."""
         for spec, step in zip(self.optimizers, steps):
+            for index, param_state in step.created.items():
+                step.optimizer.state[tensors[index]] = param_state
+            # A learning-rate scheduler wraps its optimizer's step() to note that it
+            # ran, and warns on its own step() if it did not: the artifact's step is
+            # that step.
             stepped = step.optimizer.step
             if spec["steps"] and getattr(stepped, "_wrapped_by_lr_sched", False):
                 cast(Any, step.optimizer)._opt_called = True

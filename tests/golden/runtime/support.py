@@ -451,6 +451,42 @@ def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
     )
 
 
+# --- Indices ------------------------------------------------------------------------
+# An index out of range raises in eager ATen, but may abort the process inside a
+# compiled kernel, after the graph has written part of its inputs: the indices the
+# graph takes from the input leaves are checked before it runs (INDEX_CHECKS).
+def _index_problem(
+    leaf: object,
+    path: tuple[tuple[str, tuple[object, ...]], ...],
+    low: int,
+    high: int,
+    allowed: int | None,
+) -> str | None:
+    """How the index the graph takes from ``leaf`` (through the ops of ``path``)
+    leaves [low, high), or None if every value is in it (or ``allowed``)."""
+    if type(leaf) is not torch.Tensor:  # a DTensor's shards are indexed per rank
+        return None
+    index = leaf
+    for name, arguments in path:
+        op, overload = name.split(".")
+        index = getattr(getattr(torch.ops.aten, op), overload)(index, *arguments)
+    if index.numel() == 0 or index.is_floating_point() or index.dtype == torch.bool:
+        return None
+    smallest, largest = torch.aminmax(index)
+    if low <= int(smallest) and int(largest) < high:
+        return None
+    outside = (index < low) | (index >= high)
+    if allowed is not None:
+        outside &= index != allowed
+    where = outside.nonzero()
+    if len(where) == 0:
+        return None
+    value = int(index[tuple(where[0].tolist())])
+    at = f" at {tuple(where[0].tolist())}" if not path else ""
+    more = f" (and {len(where) - 1} more)" if len(where) > 1 else ""
+    return f"holds {value}{at}{more}"
+
+
 # --- The fast path for an unchanged model ------------------------------------------
 # The full check walks every module and compares every tensor, which costs more than
 # a small graph's run. What it established is remembered with signals that it still
@@ -575,6 +611,13 @@ def _remember(
     except Exception:  # a tensor TensorGuards cannot describe: no fast path for it
         _remembered = None
     return state
+
+
+def _forget_checks() -> None:
+    # The graph failed: the next call checks the model in full, taking nothing on
+    # trust from this one.
+    global _remembered
+    _remembered = None
 
 
 def _forget(dead: weakref.ref[torch.nn.Module]) -> None:

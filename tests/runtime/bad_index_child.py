@@ -1,0 +1,76 @@
+"""A training step called with an out-of-range token id, then with good batches:
+prints what the failed call raised and left behind, and how the next steps compare
+with eager, as JSON. Run as ``python bad_index_child.py BACKEND``; a batch of 64 makes
+Inductor run its embedding kernel in parallel threads, where a kernel's own bounds
+check would abort the process."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from typing import cast
+
+import torch
+from torch import nn
+
+import precompile_gen as pg
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids)).mean(1)
+
+
+def step(
+    model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(ids), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def main(backend: str) -> None:
+    torch.manual_seed(0)
+    model = Tagger()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    ids, y = torch.randint(0, 50, (64, 12)), torch.randint(0, 4, (64,))
+    forward = pg.load(*pg.precompile(step, model, opt, ids, y, backend=backend))
+    bad = ids.clone()
+    bad[1, 3] = 50
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        forward(model, opt, bad, y)
+        raised = None
+    except pg.PrecompileError as error:
+        raised = str(error)
+    report: dict[str, object] = {
+        "raised": raised,
+        "optimizer_state": len(opt.state),
+        "parameters_unchanged": all(
+            torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)
+        ),
+    }
+    losses = []
+    for _ in range(2):
+        loss = cast(torch.Tensor, forward(model, opt, ids, y))
+        losses.append([float(loss), float(step(twin, twin_opt, ids, y))])
+    report["losses"] = losses
+    report["max_parameter_difference"] = max(
+        (p - q).abs().max().item()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True)
+    )
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
