@@ -3,9 +3,11 @@
     python benchmarks/driver_overhead.py
 
 For precompile_gen and torch.compiler.precompile side by side, inference, both
-backends, on three models: MLPs of 100 and 10 ``nn.Linear(16, 16)`` layers (200 and 20
-parameters, batch 8, one thread), and 100 x (``nn.Linear(8, 8)``, ``nn.ReLU()``) (200
-parameters in 201 modules, batch 2, the default thread count). Each artifact
+backends, on four models: MLPs of 100 and 10 ``nn.Linear(16, 16)`` layers (200 and 20
+parameters, batch 8, one thread), 100 x (``nn.Linear(8, 8)``, ``nn.ReLU()``) (200
+parameters in 201 modules, batch 2, the default thread count), and an
+``nn.Embedding(1000, 16)`` before a ``nn.Linear(16, 16)`` on 8 x 32 token ids, whose
+range the driver checks at every call (one thread). Each artifact
 is executed into a namespace of its own; its overhead is the time of its
 ``forward(model, x)`` minus the time of a bare ``call(flat)`` of the same artifact
 on the same tensors (under ``torch.no_grad()`` for the eager backend, which the
@@ -50,12 +52,19 @@ def relu_mlp(layers: int) -> nn.Sequential:
     )
 
 
+def embedding_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(1000, WIDTH), nn.Linear(WIDTH, WIDTH))
+
+
 # (label, model, input, threads: None for torch's default)
 Model = tuple[str, Callable[[], nn.Module], Callable[[], torch.Tensor], int | None]
 MODELS: list[Model] = [
     ("100 x Linear", lambda: mlp(100), lambda: torch.randn(8, WIDTH), 1),
     ("10 x Linear", lambda: mlp(10), lambda: torch.randn(8, WIDTH), 1),
     ("100 x Lin+ReLU", lambda: relu_mlp(100), lambda: torch.randn(2, 8), None),
+    # Its token ids are checked against the embedding's rows at every call.
+    ("Embedding+Linear", embedding_mlp, lambda: torch.randint(0, 1000, (8, 32)), 1),
 ]
 TARGET_PER_PARAM_US = 0.2
 
