@@ -482,6 +482,12 @@ def forward(*args: object, **keywords: object) -> object:
     traced function took. Returns the function's result."""
     if keywords:
         _fail(_keywords_message(keywords, _SIGNATURE))
+    if torch._C._is_any_autocast_enabled():
+        # The graph computes in the dtypes of its capture, autocast's casts included
+        # where the capture ran inside torch.autocast; autocast applied again would
+        # recast only the ops the graph leaves to torch (Inductor's matmuls).
+        with torch._C._DisableAutocast():
+            return forward(*args)
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
     if state is not None and not _python_values_hold(args):
@@ -494,6 +500,12 @@ def forward(*args: object, **keywords: object) -> object:
             _fail(problem)
         state = _remember(modules, tensors)
     _check_aliasing(args, state, leaves)
+    if not torch.is_inference_mode_enabled():
+        problem = _inference_write_problem(
+            [*state.tensors, *leaves], MUTATED_INPUTS, PARAM_NAMES + BUFFER_NAMES
+        )
+        if problem is not None:
+            _fail(problem)
     # The graph already contains the backward ops it needs; recording autograd
     # history for them would only cost memory. Grad mode is switched directly:
     # entering torch.no_grad() costs more than a small driver's checks.
@@ -507,7 +519,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
+# 4. Runtime support: support (sha256 99c373257e446997c2d2d6c88a5ed0e3b12e3f1bdd54927cd88858a2b3798a8c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

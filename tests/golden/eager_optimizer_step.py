@@ -482,6 +482,19 @@ def forward(*args: object, **keywords: object) -> object:
     parameters and its state in place."""
     if keywords:
         _fail(_keywords_message(keywords, _SIGNATURE))
+    if torch._C._is_any_autocast_enabled():
+        # The graph computes in the dtypes of its capture, autocast's casts included
+        # where the capture ran inside torch.autocast; autocast applied again would
+        # recast only the ops the graph leaves to torch (Inductor's matmuls).
+        with torch._C._DisableAutocast():
+            return forward(*args)
+    if not torch.is_grad_enabled():
+        _fail(
+            "this artifact runs a backward, and grad mode is off (the call is inside "
+            "torch.no_grad() or torch.inference_mode()), where the function's "
+            "backward raises eagerly. Call it outside torch.no_grad() and "
+            "torch.inference_mode()."
+        )
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
     if state is not None and not _python_values_hold(args):
@@ -498,6 +511,12 @@ def forward(*args: object, **keywords: object) -> object:
     if isinstance(steps, str):
         _fail(steps)
     _check_aliasing(args, state, leaves)
+    if not torch.is_inference_mode_enabled():
+        problem = _inference_write_problem(
+            [*state.tensors, *leaves], MUTATED_INPUTS, PARAM_NAMES + BUFFER_NAMES
+        )
+        if problem is not None:
+            _fail(problem)
     optimizer_inputs = optimizers.inputs(steps, state.tensors)
     # The graph never reads .grad, so the function's resets can come first, as in
     # eager: gradients reset to None are freed before the graph computes new ones.
@@ -519,7 +538,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 bd11b8c4e2476c76cc49e6afadc4c4b4209164d2999e7f7fd78c4e677854a40c)
+# 4. Runtime support: support + optimizers (sha256 80cb39a054ddef8cbcc14816aed808cf46cf9c333b5e1dbd3c2f1cdc6e5eeb80)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -393,6 +393,12 @@ def forward(*args: object, **keywords: object) -> object:
     traced function took. Returns the function's result."""
     if keywords:
         _fail(_keywords_message(keywords, _SIGNATURE))
+    if torch._C._is_any_autocast_enabled():
+        # The graph computes in the dtypes of its capture, autocast's casts included
+        # where the capture ran inside torch.autocast; autocast applied again would
+        # recast only the ops the graph leaves to torch (Inductor's matmuls).
+        with torch._C._DisableAutocast():
+            return forward(*args)
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
     if state is not None and not _python_values_hold(args):
@@ -418,7 +424,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
+# 4. Runtime support: support (sha256 99c373257e446997c2d2d6c88a5ed0e3b12e3f1bdd54927cd88858a2b3798a8c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
