@@ -650,9 +650,9 @@ def forward(*args: object, **keywords: object) -> object:
     if keywords:
         _fail(_keywords_message(keywords, _SIGNATURE))
     if torch._C._is_any_autocast_enabled():
-        # The graph computes in the dtypes of its capture, autocast's casts included
-        # where the capture ran inside torch.autocast; autocast applied again would
-        # recast only the ops the graph leaves to torch (Inductor's matmuls).
+        # The graph computes in the dtypes of its capture (autocast's casts included,
+        # where it ran inside torch.autocast), on both backends alike: applied again,
+        # autocast would recast the ops Inductor leaves to torch but not its kernels.
         with torch._C._DisableAutocast():
             return forward(*args)
     modules, leaves = _split_arguments(args)
