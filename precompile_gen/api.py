@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from precompile_gen.capture_result import CaptureResult
+from precompile_gen.capturing import global_modes
 from precompile_gen.capturing.lower import lower
 from precompile_gen.capturing.trace import check_arguments, function_name, trace
 from precompile_gen.codegen.render import render_artifact
@@ -29,12 +30,16 @@ def capture(
     what = f"capture of {function_name(fn)!r} (backend {checked!r})"
     # make_fx and fx's patcher keep the current tracer in module globals, so two
     # traces on different threads corrupt each other; captures take turns.
-    with timings.recording(what), kernel_binaries.TORCH_STATE_LOCK:
+    with (
+        timings.recording(what),
+        kernel_binaries.TORCH_STATE_LOCK,
+        global_modes.capturing(),
+    ):
         with timings.stage("capture"):
             traced = trace(
                 fn, example_inputs, backend=checked, decompositions=decompositions
             )
-        with timings.stage("lowering"):
+        with timings.stage("lowering"), global_modes.lowering():
             return lower(traced, checked)
 
 

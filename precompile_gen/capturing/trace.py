@@ -49,6 +49,7 @@ from precompile_gen.capturing import (
     data_parallel,
     dtensors,
     dynamic_dims,
+    global_modes,
     grad_resets,
     graph_checks,
     graph_names,
@@ -223,7 +224,7 @@ def trace(
     lifted = _lift_state(call, example_inputs)
     user = _flatten_user_inputs(call, lifted.state, backend)
     inputs = _graph_inputs(lifted, user, backend)
-    harvest = _Harvest()
+    harvest = _Harvest(grad_enabled=torch.is_grad_enabled())
     flat_fn = _flat_function(
         fn, example_inputs, call, modes, lifted, user, inputs, harvest
     )
@@ -548,6 +549,8 @@ class _Harvest:
     stepped: set[int] = field(default_factory=set)
     # What fn itself raised while traced: it reaches the caller unwrapped.
     raised_by_fn: list[Exception] = field(default_factory=list)
+    # The caller's grad mode: the trace turns it on to record a backward.
+    grad_enabled: bool = True
 
 
 def _flat_function(
@@ -639,6 +642,9 @@ def _graph_outputs(
     result_leaves, harvest.scalar_outputs = data_dependent.scalar_outputs(result_leaves)
     _reject_opaque_results(result, result_leaves, fn_name)
     harvest.grad_param_indices = [i for i, g in enumerate(grads) if g is not None]
+    global_modes.check_backward(
+        harvest.grad_enabled, bool(harvest.grad_param_indices), fn_name
+    )
     harvest.sparse_grads = [
         k for k, g in enumerate(g for g in grads if g is not None) if g.is_sparse
     ]

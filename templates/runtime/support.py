@@ -487,6 +487,31 @@ def _index_problem(
     return f"holds {value}{at}{more}"
 
 
+# --- Inference tensors -------------------------------------------------------------
+def _inference_write_problem(
+    inputs: list[object], positions: list[int], state_names: list[str]
+) -> str | None:
+    """Why the graph cannot update one of ``inputs`` in place (``positions``) outside
+    inference mode: torch refuses an in-place update of an inference tensor there,
+    eagerly as inside the graph, where earlier updates would already be made."""
+    for position in positions:
+        tensor = inputs[position]
+        if isinstance(tensor, torch.Tensor) and tensor.is_inference():
+            name = (
+                f"the model's {state_names[position]!r}"
+                if position < len(state_names)
+                else f"input leaf {position - len(state_names)}"
+            )
+            return (
+                f"{name} is an inference tensor (made inside torch.inference_mode()) "
+                "that the function updates in place, which torch refuses outside "
+                "inference mode, eagerly too. Call the artifact inside "
+                "torch.inference_mode(), or make the model and inputs outside it (a "
+                ".clone() made outside it is a normal tensor)."
+            )
+    return None
+
+
 # --- The fast path for an unchanged model ------------------------------------------
 # The full check walks every module and compares every tensor, which costs more than
 # a small graph's run. What it established is remembered with signals that it still

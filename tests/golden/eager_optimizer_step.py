@@ -482,6 +482,19 @@ def forward(*args: object, **keywords: object) -> object:
     parameters and its state in place."""
     if keywords:
         _fail(_keywords_message(keywords, _SIGNATURE))
+    if torch._C._is_any_autocast_enabled():
+        # The graph computes in the dtypes of its capture (autocast's casts included,
+        # where it ran inside torch.autocast), on both backends alike: applied again,
+        # autocast would recast the ops Inductor leaves to torch but not its kernels.
+        with torch._C._DisableAutocast():
+            return forward(*args)
+    if not torch.is_grad_enabled():
+        _fail(
+            "this artifact runs a backward, and grad mode is off (the call is inside "
+            "torch.no_grad() or torch.inference_mode()), where the function's "
+            "backward raises eagerly. Call it outside torch.no_grad() and "
+            "torch.inference_mode()."
+        )
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
     if state is not None and not _python_values_hold(args):
@@ -498,6 +511,12 @@ def forward(*args: object, **keywords: object) -> object:
     if isinstance(steps, str):
         _fail(steps)
     _check_aliasing(args, state, leaves)
+    if not torch.is_inference_mode_enabled():
+        problem = _inference_write_problem(
+            [*state.tensors, *leaves], MUTATED_INPUTS, PARAM_NAMES + BUFFER_NAMES
+        )
+        if problem is not None:
+            _fail(problem)
     optimizer_inputs = optimizers.inputs(steps, state.tensors)
     # The graph never reads .grad, so the function's resets can come first, as in
     # eager: gradients reset to None are freed before the graph computes new ones.
@@ -522,7 +541,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 5184405db578c567dde21337d2f7b277a826f4c10a8f4e6a3135f99543374454)
+# 4. Runtime support: support + optimizers (sha256 7cb8193d1b47ab8a20e23589ded9fc4bdc05b09a500e71a996ecbb53a251286d)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

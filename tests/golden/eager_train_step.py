@@ -388,6 +388,19 @@ def forward(*args: object, **keywords: object) -> object:
     added to the model's ``.grad`` fields."""
     if keywords:
         _fail(_keywords_message(keywords, _SIGNATURE))
+    if torch._C._is_any_autocast_enabled():
+        # The graph computes in the dtypes of its capture (autocast's casts included,
+        # where it ran inside torch.autocast), on both backends alike: applied again,
+        # autocast would recast the ops Inductor leaves to torch but not its kernels.
+        with torch._C._DisableAutocast():
+            return forward(*args)
+    if not torch.is_grad_enabled():
+        _fail(
+            "this artifact runs a backward, and grad mode is off (the call is inside "
+            "torch.no_grad() or torch.inference_mode()), where the function's "
+            "backward raises eagerly. Call it outside torch.no_grad() and "
+            "torch.inference_mode()."
+        )
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
     if state is not None and not _python_values_hold(args):
@@ -418,7 +431,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 4cbc22aa52858edc95a86fed60f6a2b81b018076d7a51fbf7303dddb194f75b4)
+# 4. Runtime support: support (sha256 c795fba8581aa59e54d964a16d70c0ae254ccfe10db7368810d35a77e1f7799c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -606,6 +606,12 @@ def forward(*args: object, **keywords: object) -> object:
     traced function took. Returns the function's result."""
     if keywords:
         _fail(_keywords_message(keywords, _SIGNATURE))
+    if torch._C._is_any_autocast_enabled():
+        # The graph computes in the dtypes of its capture (autocast's casts included,
+        # where it ran inside torch.autocast), on both backends alike: applied again,
+        # autocast would recast the ops Inductor leaves to torch but not its kernels.
+        with torch._C._DisableAutocast():
+            return forward(*args)
     modules, leaves = _split_arguments(args)
     state = _remembered_state(modules)
     if state is None:
@@ -644,7 +650,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 4cbc22aa52858edc95a86fed60f6a2b81b018076d7a51fbf7303dddb194f75b4)
+# 4. Runtime support: support (sha256 c795fba8581aa59e54d964a16d70c0ae254ccfe10db7368810d35a77e1f7799c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
