@@ -3,11 +3,9 @@
     python benchmarks/driver_overhead.py
 
 For precompile_gen and torch.compiler.precompile side by side, inference, both
-backends, on four models: MLPs of 100 and 10 ``nn.Linear(16, 16)`` layers (200 and 20
-parameters, batch 8, one thread), 100 x (``nn.Linear(8, 8)``, ``nn.ReLU()``) (200
-parameters in 201 modules, batch 2, the default thread count), and an
-``nn.Embedding(1000, 16)`` before a ``nn.Linear(16, 16)`` on 8 x 32 token ids, whose
-range the driver checks at every call (one thread). Each artifact
+backends, on three models: MLPs of 100 and 10 ``nn.Linear(16, 16)`` layers (200 and 20
+parameters, batch 8, one thread), and 100 x (``nn.Linear(8, 8)``, ``nn.ReLU()``) (200
+parameters in 201 modules, batch 2, the default thread count). Each artifact
 is executed into a namespace of its own; its overhead is the time of its
 ``forward(model, x)`` minus the time of a bare ``call(flat)`` of the same artifact
 on the same tensors (under ``torch.no_grad()`` for the eager backend, which the
@@ -15,7 +13,8 @@ driver needs too; inductor's ``call`` disables grad itself). The four timings of
 row are interleaved in rounds of ~10 ms each, and each overhead is the median over
 the rounds of the difference between adjacent forward and call timings, so that load
 from other processes, which slows neighbouring timings alike, largely cancels. All
-rows are measured in this one run.
+rows are measured in this one run. Then what the check of an index input (token ids
+an embedding reads) costs on its own, taken from an artifact that has one.
 """
 
 from __future__ import annotations
@@ -63,8 +62,6 @@ MODELS: list[Model] = [
     ("100 x Linear", lambda: mlp(100), lambda: torch.randn(8, WIDTH), 1),
     ("10 x Linear", lambda: mlp(10), lambda: torch.randn(8, WIDTH), 1),
     ("100 x Lin+ReLU", lambda: relu_mlp(100), lambda: torch.randn(2, 8), None),
-    # Its token ids are checked against the embedding's rows at every call.
-    ("Embedding+Linear", embedding_mlp, lambda: torch.randint(0, 1000, (8, 32)), 1),
 ]
 TARGET_PER_PARAM_US = 0.2
 
@@ -143,6 +140,22 @@ def measure(
     }
 
 
+def index_check_costs() -> None:
+    """What the driver's check of an index input costs on its own: a pass over the
+    ids (``torch.aminmax``), after a slice where the graph indexes with part of them."""
+    model = embedding_mlp()
+    namespace = _namespace("precompile_gen", "eager", model, torch.randint(0, 9, (2,)))
+    _index_problem = namespace["_index_problem"]
+    print("\nindex check (one thread)   whole input µs  through a slice µs")
+    cut = (("slice.Tensor", (1, 0, -1)),)
+    for shape in [(8, 32), (64, 512)]:
+        ids = torch.randint(0, 1000, shape)
+        whole = _seconds_per_call(lambda: _index_problem(ids, (), 0, 1000, None), 2000)
+        part = _seconds_per_call(lambda: _index_problem(ids, cut, 0, 1000, -100), 2000)
+        label = f"{shape[0]} x {shape[1]} token ids"
+        print(f"{label:<26} {whole * 1e6:>14.1f} {part * 1e6:>19.1f}")
+
+
 def main() -> None:
     default_threads = torch.get_num_threads()
     print(
@@ -173,6 +186,8 @@ def main() -> None:
         f"worst µs per parameter on the 200-parameter models {max(per_param):.2f} "
         f"(target <= {TARGET_PER_PARAM_US}): {verdict}"
     )
+    torch.set_num_threads(1)
+    index_check_costs()
 
 
 if __name__ == "__main__":
