@@ -312,10 +312,13 @@ def _split_arguments(
             _fail(_leaf_count_message(len(leaves), len(USER_INPUT_SHAPES)))
     for index, leaf in enumerate(leaves):
         signature = _LEAF_SIGNATURES[index]
+        # A lazy conjugate or negative bit (tensor.conj()) passes the signature.
         if (
             signature is None
             or type(leaf) is not torch.Tensor
             or (leaf.shape, leaf.dtype, leaf.device) != signature
+            or leaf.is_conj()
+            or leaf.is_neg()
         ):
             _check_leaf(user_inputs, index, leaf)
     return modules, leaves
@@ -519,7 +522,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 bd11b8c4e2476c76cc49e6afadc4c4b4209164d2999e7f7fd78c4e677854a40c)
+# 4. Runtime support: support + optimizers (sha256 f896701249ca0f682d98083ee70e27a14a10dc82b03b32ce451f6afc3a9ddc70)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
