@@ -19,6 +19,7 @@ an embedding reads) costs on its own, taken from an artifact that has one.
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -150,8 +151,12 @@ def index_check_costs() -> None:
     cut = (("slice.Tensor", (1, 0, -1)),)
     for shape in [(8, 32), (64, 512)]:
         ids = torch.randint(0, 1000, shape)
-        whole = _seconds_per_call(lambda: _index_problem(ids, (), 0, 1000, None), 2000)
-        part = _seconds_per_call(lambda: _index_problem(ids, cut, 0, 1000, -100), 2000)
+        whole = _seconds_per_call(
+            functools.partial(_index_problem, ids, (), 0, 1000, None), 2000
+        )
+        part = _seconds_per_call(
+            functools.partial(_index_problem, ids, cut, 0, 1000, -100), 2000
+        )
         label = f"{shape[0]} x {shape[1]} token ids"
         print(f"{label:<26} {whole * 1e6:>14.1f} {part * 1e6:>19.1f}")
 

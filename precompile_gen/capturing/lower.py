@@ -383,12 +383,41 @@ def _inductor_options(traced: TracedGraph) -> dict[str, object]:
     # scheduler picks, so a seeded call would not give eager's masks.
     # The post-grad pass frees cheap activations between the forward and the
     # backward of a step captured whole, as torch.compile's partitioner does.
-    return {
+    options: dict[str, object] = {
         "size_asserts": True,
         "scalar_asserts": dynamic,
         "fallback_random": True,
         "post_grad_custom_post_pass": recompute.RecomputeFarReads(),
     }
+    if _holds_complex(traced.gm):
+        from torch._inductor import config as inductor_config
+
+        # Added to, not replacing, the passes the user's config disables.
+        ambient = inductor_config.disabled_passes
+        options["disabled_passes"] = ",".join(
+            filter(None, (ambient, _COMPLEX_UNSAFE_PASSES))
+        )
+    return options
+
+
+# Inductor runs every complex op as an eager fallback, and a complex view is a
+# fallback's output rather than a view of its base's buffer. Its reinplacing pass
+# turns ``slice_scatter(base, src)`` into ``copy_(slice(base), src)`` when ``base``
+# dies there, and the scheduler then knows only the slice to be written: a later
+# read of the base through another view (``as_strided(base)``) may be scheduled
+# before the write and read stale values. An ``irfft`` backward, which doubles the
+# middle frequencies in place, lost them this way, with no error. Left functional,
+# each complex scatter is one fallback that writes a buffer of its own.
+_COMPLEX_UNSAFE_PASSES = "reinplace_inplaceable_ops"
+
+
+def _holds_complex(gm: torch.fx.GraphModule) -> bool:
+    """Whether any value of the graph (input, intermediate or output) is complex."""
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor) and value.is_complex():
+                return True
+    return False
 
 
 def _compile_error(error: Exception) -> PrecompileError:

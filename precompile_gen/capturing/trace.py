@@ -420,6 +420,7 @@ def _flatten_user_inputs(
         call.user_positions, call.argument_names, call.user_inputs
     )
     _reject_nested_modules(user_leaves, leaf_names)
+    _reject_lazy_bits(user_leaves, leaf_names)
     marks = dynamic_dims.read_dim_marks(user_leaves, leaf_names, backend)
     symbolic = (
         dynamic_dims.symbolic_inputs(state.tensors, user_leaves, leaf_names, marks)
@@ -1102,6 +1103,24 @@ def _reject_nested_modules(leaves: list[object], leaf_names: list[str]) -> None:
                 "parameters and buffers lifted to inputs of the artifact. Pass it as "
                 "an argument of its own: fn(encoder, head, x) rather than "
                 "fn({'encoder': encoder, 'head': head}, x)."
+            )
+
+
+def _reject_lazy_bits(leaves: list[object], leaf_names: list[str]) -> None:
+    # The driver refuses a conjugate or negative bit on an input at every call, since
+    # a graph's kernels read memory as it is; a capture on one would make an artifact
+    # that no call passes.
+    for name, leaf in zip(leaf_names, leaves, strict=True):
+        if isinstance(leaf, torch.Tensor) and (leaf.is_conj() or leaf.is_neg()):
+            bit, resolve = (
+                ("conjugate", "resolve_conj")
+                if leaf.is_conj()
+                else ("negative", "resolve_neg")
+            )
+            raise PrecompileError(
+                f"{name} is a lazy view with its {bit} bit set (as tensor.conj() "
+                "and tensor.conj().imag leave them), which the artifact's calls "
+                f"refuse. Capture and call with the tensor resolved, .{resolve}()."
             )
 
 

@@ -112,6 +112,25 @@ def _tensor_leaf_problem(
             f"on {device!r}. Move it with .to({device!r}), or capture again on this "
             "device."
         )
+    return _lazy_bit_problem(name, leaf)
+
+
+def _lazy_bit_problem(name: str, leaf: torch.Tensor) -> str | None:
+    # .conj() and .conj().imag return views whose conjugate or negative bit asks each
+    # op to apply it lazily; the graph was captured on resolved tensors and its
+    # kernels read the memory as it is.
+    if leaf.is_conj():
+        return (
+            f"{name} is a lazily conjugated view (its conjugate bit is set, as "
+            "tensor.conj() leaves it), which the graph, traced on a resolved "
+            "tensor, does not apply. Pass it resolved, with .resolve_conj()."
+        )
+    if leaf.is_neg():
+        return (
+            f"{name} is a lazily negated view (its negative bit is set, as "
+            "tensor.conj().imag leaves it), which the graph, traced on a resolved "
+            "tensor, does not apply. Pass it resolved, with .resolve_neg()."
+        )
     return None
 
 

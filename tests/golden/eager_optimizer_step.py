@@ -312,10 +312,13 @@ def _split_arguments(
             _fail(_leaf_count_message(len(leaves), len(USER_INPUT_SHAPES)))
     for index, leaf in enumerate(leaves):
         signature = _LEAF_SIGNATURES[index]
+        # A lazy conjugate or negative bit (tensor.conj()) passes the signature.
         if (
             signature is None
             or type(leaf) is not torch.Tensor
             or (leaf.shape, leaf.dtype, leaf.device) != signature
+            or leaf.is_conj()
+            or leaf.is_neg()
         ):
             _check_leaf(user_inputs, index, leaf)
     return modules, leaves
@@ -541,7 +544,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 7cb8193d1b47ab8a20e23589ded9fc4bdc05b09a500e71a996ecbb53a251286d)
+# 4. Runtime support: support + optimizers (sha256 69e46e17d91162c1d0a2048b906fed795d75b43daee95ce81fa7ec8a928a0109)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -5,6 +5,7 @@
 # section 3 uses while the artifact is being executed, only names its functions call.
 # Its functions raise nothing: a failed check returns its message, which section 3
 # raises, so that the one error type is defined before any module-level code runs.
+import functools
 import re
 import reprlib
 import sys
@@ -110,6 +111,25 @@ def _tensor_leaf_problem(
             f"{name} is on device {str(leaf.device)!r}, but the artifact was captured "
             f"on {device!r}. Move it with .to({device!r}), or capture again on this "
             "device."
+        )
+    return _lazy_bit_problem(name, leaf)
+
+
+def _lazy_bit_problem(name: str, leaf: torch.Tensor) -> str | None:
+    # .conj() and .conj().imag return views whose conjugate or negative bit asks each
+    # op to apply it lazily; the graph was captured on resolved tensors and its
+    # kernels read the memory as it is.
+    if leaf.is_conj():
+        return (
+            f"{name} is a lazily conjugated view (its conjugate bit is set, as "
+            "tensor.conj() leaves it), which the graph, traced on a resolved "
+            "tensor, does not apply. Pass it resolved, with .resolve_conj()."
+        )
+    if leaf.is_neg():
+        return (
+            f"{name} is a lazily negated view (its negative bit is set, as "
+            "tensor.conj().imag leaves it), which the graph, traced on a resolved "
+            "tensor, does not apply. Pass it resolved, with .resolve_neg()."
         )
     return None
 
@@ -455,6 +475,13 @@ def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
 # An index out of range raises in eager ATen, but may abort the process inside a
 # compiled kernel, after the graph has written part of its inputs: the indices the
 # graph takes from the input leaves are checked before it runs (INDEX_CHECKS).
+@functools.cache
+def _aten_op(name: str) -> Any:
+    # "slice.Tensor" -> torch.ops.aten.slice.Tensor, looked up once.
+    op, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, op), overload)
+
+
 def _index_problem(
     leaf: object,
     path: tuple[tuple[str, tuple[object, ...]], ...],
@@ -468,8 +495,7 @@ def _index_problem(
         return None
     index = leaf
     for name, arguments in path:
-        op, overload = name.split(".")
-        index = getattr(getattr(torch.ops.aten, op), overload)(index, *arguments)
+        index = _aten_op(name)(index, *arguments)
     if index.numel() == 0 or index.is_floating_point() or index.dtype == torch.bool:
         return None
     smallest, largest = torch.aminmax(index)
