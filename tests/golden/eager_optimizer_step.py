@@ -544,7 +544,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 69e46e17d91162c1d0a2048b906fed795d75b43daee95ce81fa7ec8a928a0109)
+# 4. Runtime support: support + optimizers (sha256 ddac89811ffa7b200afdbb42640760bb868e2e2734be1ca077d408eeb2f92bb7)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

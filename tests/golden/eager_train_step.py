@@ -434,7 +434,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 5d94d9398b076a94d405ee4e29edb53694074055a964d915788b4c1047448e2c)
+# 4. Runtime support: support (sha256 f1172a0370219b098c57d8fb56de8254a399861997d63363bcd991ae474c239c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -484,7 +484,7 @@ def _aten_op(name: str) -> Any:
 
 def _index_problem(
     leaf: object,
-    path: tuple[tuple[str, tuple[object, ...]], ...],
+    path: tuple[Any, ...],
     low: int,
     high: int,
     allowed: int | None,
