@@ -359,7 +359,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
+# 4. Runtime support: support (sha256 a9c880a55fc5e42a12db62195f2ad938c39701ad24c8b9dfe942280d98055be1)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -322,13 +322,16 @@ def _reordered(tree: object, spec: pytree.TreeSpec, position: int, path: str) ->
 def _keys_message(where: str, got: list[object], expected: list[object]) -> str:
     missing = [key for key in expected if key not in got]
     extra = [key for key in got if key not in expected]
-    differences = [f"lacks the key(s) {missing}"] if missing else []
+    differences = [f"lacks the key(s) {_listed(missing)}"] if missing else []
     if extra:
-        differences.append(f"has the key(s) {extra}, which the example did not")
+        differences.append(
+            f"has the key(s) {_listed(extra)}, which the example did not"
+        )
     return (
         f"{where} {' and '.join(differences)}: a dict input matches the example's by "
-        f"key, in any order, and the graph was traced for the keys {expected}. Pass "
-        "a dict with exactly those keys, or capture again with these."
+        "key, in any order, and the graph was traced for the keys "
+        f"{_listed(expected)}. Pass a dict with exactly those keys, or capture again "
+        "with these."
     )
 
 
@@ -507,7 +510,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 e7e9b1f537cf4c764cd3ae4bcbe2b538156a128e6d191417beb0f3e584419820)
+# 4. Runtime support: support (sha256 a9c880a55fc5e42a12db62195f2ad938c39701ad24c8b9dfe942280d98055be1)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -519,7 +519,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 bd11b8c4e2476c76cc49e6afadc4c4b4209164d2999e7f7fd78c4e677854a40c)
+# 4. Runtime support: support + optimizers (sha256 c5b6c883359984fbe0a381870f0081e2ccf04ee005062c1ebbc1bdcca960ec04)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -426,7 +426,7 @@ def test_different_tying(forward: Callable[..., object], batch: Batch) -> None:
         batch,
         0.5,
         match=[
-            "'lin2.weight' is tied to 'lin1.weight'",
+            "tied here, separate in the traced model: ['lin2.weight' to 'lin1.weight']",
             "Pass a model of the traced architecture",
         ],
     )
