@@ -15,7 +15,7 @@ from collections.abc import Callable
 from precompile_gen.capture_result import BACKENDS, METADATA_NAMES, OPTIONAL_METADATA
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import check_key, code_hash, read_cache
-from precompile_gen.runtime.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError, listed
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,11 @@ def metadata_of(module: ast.Module) -> dict[str, object]:
     missing = [name for name in METADATA_NAMES if name not in found]
     if missing:
         raise PrecompileError(
-            f"python_code lacks the metadata constants {missing}; it is not a "
+            f"python_code lacks {len(missing)} of the metadata constants: it is not a "
             "precompile_gen artifact, was made by another version of precompile_gen, "
             "or was truncated or edited. Pass the python_code returned by "
-            "precompile() of this version (precompile again to regenerate it)."
+            "precompile() of this version (precompile again to regenerate it).\n"
+            f"  missing {listed(missing)}"
         )
     if found["BACKEND"] not in BACKENDS:
         raise PrecompileError(
@@ -150,15 +151,9 @@ def load(
     if key is not None:
         check_key(key)
     text, filename = _artifact_text(python_code)
-    try:
-        metadata = parse_metadata(text)
-    except PrecompileError as error:
-        if filename is None and "\n" not in text and os.path.isfile(text):
-            raise PrecompileError(
-                f"{error} python_code is the artifact's text when it is a str; to "
-                f"load the file {text!r}, pass pathlib.Path({text!r})."
-            ) from error
-        raise
+    if filename is None:
+        _reject_a_path(text)
+    metadata = parse_metadata(text)
     backend = str(metadata["BACKEND"])
     if cache is None:
         if key is not None:
@@ -187,6 +182,19 @@ def load(
     # state, as lowering does; the two take turns.
     with kernel_binaries.TORCH_STATE_LOCK:
         return _execute(text, filename, signed=signed, binaries=binaries or {})
+
+
+def _reject_a_path(text: str) -> None:
+    """Refuse a str that is a file's path rather than an artifact's text: an
+    artifact is many lines, so a one-line str naming a file or a .py name is a
+    path, and read as code it would only be refused for lacking every constant."""
+    if "\n" in text or not (text.endswith(".py") or os.path.isfile(text)):
+        return
+    raise PrecompileError(
+        "python_code is a str, which load reads as the artifact's text, but it is "
+        f"the path {text!r}: pass pathlib.Path({text!r}) to load the file, or pass "
+        "the file's text."
+    )
 
 
 def _resolve_kernels(namespace: dict[str, object]) -> None:

@@ -26,7 +26,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.capture_result import Backend, metadata_constants
+from precompile_gen.capture_result import (
+    METADATA_NAMES,
+    OPTIONAL_METADATA,
+    Backend,
+    metadata_constants,
+)
 from precompile_gen.codegen.stubs import stub_capture
 from precompile_gen.runtime.cache import CACHE_FORMAT, CACHE_VERSION, build_cache
 
@@ -328,11 +333,17 @@ def test_parse_metadata_names_a_missing_constant(captured: Captured) -> None:
     assert "PARAM_NAMES" not in message
 
 
-def test_parse_metadata_of_empty_text_names_every_constant() -> None:
+def test_parse_metadata_of_empty_text_counts_every_constant() -> None:
     with pytest.raises(pg.PrecompileError) as info:
         pg.parse_metadata("")
-    for name in ("BACKEND", "MODULE_POSITIONS", "USER_INPUT_BOUNDS"):
-        assert name in str(info.value)
+    message = str(info.value)
+    required = [name for name in METADATA_NAMES if name not in OPTIONAL_METADATA]
+    first_line, _, rest = message.partition("\n")
+    assert f"lacks {len(required)} of the metadata constants" in first_line
+    assert "Pass the python_code returned by precompile()" in first_line
+    # The first few are named, the rest counted, so the fix stays in view.
+    assert rest == f"  missing {required[:3]} and {len(required) - 3} more", rest
+    assert len(message) < 600, message
 
 
 def test_parse_metadata_rejects_a_non_literal_constant(captured: Captured) -> None:
@@ -698,6 +709,8 @@ def test_an_artifact_of_another_version_is_named_as_such(captured: Captured) -> 
     with pytest.raises(pg.PrecompileError) as info:
         pg.load(old, captured.cache)
     message = str(info.value)
-    assert "lacks the metadata constants ['USER_INPUT_VALUES']" in message
+    first_line, _, rest = message.partition("\n")
+    assert "lacks 1 of the metadata constants" in first_line
+    assert "missing ['USER_INPUT_VALUES']" in rest
     assert "made by another version of precompile_gen" in message
     assert "precompile again to regenerate it" in message
