@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from precompile_gen.capture_result import BACKENDS, METADATA_NAMES, OPTIONAL_METADATA
 from precompile_gen.runtime import kernel_binaries
-from precompile_gen.runtime.cache import check_key, code_hash, read_cache
+from precompile_gen.runtime.cache import built_here, check_key, code_hash, read_cache
 from precompile_gen.runtime.errors import PrecompileError, listed
 
 log = logging.getLogger(__name__)
@@ -250,6 +250,33 @@ def _read_file(path: str, what: str) -> bytes:
         ) from error
 
 
+# The code hashes of the unsigned artifacts this process has warned about: a
+# program that loads one artifact per worker or per request needs the warning once,
+# not a copy at every load that drowns its other warnings.
+_warned: set[str] = set()
+
+
+def _log_execution(digest: str, filename: str, *, signed: bool) -> None:
+    if signed:
+        log.info("precompile_gen.load: executing signed python_code %s.", filename)
+    elif built_here(digest) or digest in _warned:
+        log.info(
+            "precompile_gen.load: executing unsigned python_code %s (%s).",
+            filename,
+            "this process produced it with precompile()"
+            if built_here(digest)
+            else "warned about at its first load",
+        )
+    else:
+        _warned.add(digest)
+        log.warning(
+            "precompile_gen.load is executing python_code %s, which no signature "
+            "vouches for (said once per artifact and process). An artifact is code: "
+            "load only artifacts you produced or trust.",
+            filename,
+        )
+
+
 def _execute(
     python_code: str,
     path: str | None,
@@ -257,19 +284,12 @@ def _execute(
     signed: bool,
     binaries: dict[str, str] | None = None,
 ) -> Callable[..., object]:
-    digest = code_hash(python_code)[:12]
+    full_digest = code_hash(python_code)
+    digest = full_digest[:12]
     # Tracebacks through the artifact name this file and show its lines: the real
     # path when it was read from one, else a stable name for its text.
     filename = path if path is not None else f"<precompile_gen:{digest}>"
-    if signed:
-        log.info("precompile_gen.load: executing signed python_code %s.", filename)
-    else:
-        log.warning(
-            "precompile_gen.load is executing python_code %s, which no signature "
-            "vouches for. An artifact is code: load only artifacts you produced or "
-            "trust.",
-            filename,
-        )
+    _log_execution(full_digest, filename, signed=signed)
     # The text is registered with no modification time, which linecache takes as
     # "never re-read from disk": the lines shown stay those that were executed even
     # after the file is rewritten.
