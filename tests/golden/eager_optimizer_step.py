@@ -409,6 +409,10 @@ def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
             names.append(_leaf_name(user_inputs, position - _NUM_STATE))
     if len(names) == 1:
         return names[0]
+    if len(names) > 4:
+        # A model whose parameters are views of one flat tensor shares a storage
+        # among all of them: name a few and count the rest, as _listed does.
+        return ", ".join(names[:3]) + f" and {len(names) - 3} more"
     return ", ".join(names[:-1]) + " and " + names[-1]
 
 

@@ -451,3 +451,23 @@ def test_a_model_of_another_architecture_gets_a_short_message() -> None:
         "27 more (absent from the traced model, or tied to another tensor there)",
     ]
     assert len(message) < 600, message
+
+
+def test_parameters_made_views_of_one_tensor_are_named_in_a_short_message() -> None:
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+    forward = pg.load(*pg.precompile(step, model, torch.ones(2, 4), backend="eager"))
+    # As a flattening of the parameters into one buffer leaves them.
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    offset = 0
+    for param in model.parameters():
+        param.data = flat[offset : offset + param.numel()].view_as(param)
+        offset += param.numel()
+    message = assert_call_rejected(forward, model, torch.ones(2, 4), match=[])
+    assert message.startswith(
+        "the model's '0.weight', the model's '0.bias', the model's '1.weight' and 3 "
+        "more share one storage in this call"
+    ), message
+    assert "Pass separate tensors" in message and len(message) < 600, message
