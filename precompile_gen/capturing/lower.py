@@ -438,9 +438,11 @@ def _compile_error(error: Exception) -> PrecompileError:
                 "computed tensors (int, bool and None are fine). Return tensors only, "
                 "or use backend='eager'."
             )
+        # Inductor's message runs to many lines; what to do comes first.
         return PrecompileError(
-            f"the inductor backend failed to compile the captured graph: {error}. "
-            "Try backend='eager' to run the captured graph without compiling it."
+            "the inductor backend failed to compile the captured graph. Try "
+            "backend='eager' to run the captured graph without compiling it.\n"
+            + str(error).strip()
         )
     # AOTAutograd re-traces the captured graph with its own decompositions, and
     # a layout they disagree on with eager's kernels fails there.

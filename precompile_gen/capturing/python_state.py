@@ -36,7 +36,7 @@ import torch
 from precompile_gen.capture_result import PythonValue
 from precompile_gen.capturing import data_dependent, data_parallel, graph_names
 from precompile_gen.codegen import convention
-from precompile_gen.runtime.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError, listed
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def observe(
             "arguments, or keep them as module attributes or globals, to have them "
             "checked.",
             _name(fn),
-            ", ".join(reads.unresolved),
+            listed(reads.unresolved, str),
         )
     return sorted(reads.values.values())
 
@@ -165,8 +165,17 @@ def _roots(fn: Callable[..., object], paths: dict[int, tuple[int, str]]) -> set[
     return roots
 
 
-class _Refusal(PrecompileError):
-    """A refusal of this module's: an effect, a Python or NumPy draw."""
+# This module's refusals (an effect, a Python or NumPy draw) are told apart from any
+# other PrecompileError by a mark on the instance rather than by a subclass, so that
+# the type a traceback prints is the public one. The mark keeps the message as
+# written: Dynamo appends to the message of an error raised while it compiles.
+_REFUSAL_MARK = "_precompile_gen_refusal"
+
+
+def _refusal(message: str) -> PrecompileError:
+    error = PrecompileError(message)
+    setattr(error, _REFUSAL_MARK, message)
+    return error
 
 
 def _precompile_error_in(error: BaseException) -> PrecompileError | None:
@@ -175,8 +184,9 @@ def _precompile_error_in(error: BaseException) -> PrecompileError | None:
     # caller's line, which a frame Dynamo inlined does not have.
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, _Refusal):
-            return seen
+        message = getattr(seen, _REFUSAL_MARK, None)
+        if isinstance(seen, PrecompileError) and isinstance(message, str):
+            return _refusal(message)
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -452,7 +462,7 @@ def _effect_target(dynamo_name: str) -> str:
 
 def _refuse_effects(fn: object, effects: list[tuple[str, str]]) -> None:
     target, line = effects[0]
-    raise _Refusal(
+    raise _refusal(
         f"{_name(fn)!r} changes Python state that exists outside the call: it writes "
         f"{_in_words(fn, target)} at {line}. The trace would make that write once, "
         "at capture, and the artifact never again, so a counter or a log kept this "
@@ -784,7 +794,7 @@ def reject_torch_generators(
 
 
 def _generator_error(fn: object, op: object) -> PrecompileError:
-    return _Refusal(
+    return _refusal(
         f"{_name(fn)!r} passes a torch.Generator to {op} (generator=). The artifact "
         "draws from torch's global generator only, as the call's torch.manual_seed "
         "sets it; a generator of its own would be built into the artifact and not "
@@ -796,7 +806,7 @@ def _generator_error(fn: object, op: object) -> PrecompileError:
 
 def _rng_error(fn: object, generator: str, line: str | None) -> PrecompileError:
     where = f" at {line}" if line else ""
-    return _Refusal(
+    return _refusal(
         f"{_name(fn)!r} draws from {generator}{where}. The trace would draw once and "
         "build the number into the artifact, which would reuse it on every call. "
         "Draw with torch's generator instead (torch.rand, torch.distributions), which "

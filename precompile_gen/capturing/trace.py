@@ -66,6 +66,7 @@ from precompile_gen.runtime.errors import (
     PrecompileError,
     PrecompileNotImplementedError,
     PrecompileValueError,
+    listed,
 )
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ def _warn_of_hooks(
             "module hooks are traced into the graph, and the artifact never calls "
             "them: what they compute on tensors is built in, but anything else they "
             "do (recording, logging) happens only now, at capture. Hooked: %s.",
-            ", ".join(hooked),
+            listed(hooked, str),
         )
 
 

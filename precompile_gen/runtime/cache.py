@@ -50,17 +50,30 @@ def check_key(key: object) -> bytes:
     return key
 
 
+# The code hashes of the artifacts this process has built a cache for, that is,
+# written with precompile(): load tells running one of those apart from running
+# code from elsewhere, which only a signature can vouch for.
+_built_here: set[str] = set()
+
+
+def built_here(digest: str) -> bool:
+    """Whether this process built the artifact whose code hash is ``digest``."""
+    return digest in _built_here
+
+
 def build_cache(
     python_code: str,
     backend: str,
     artifact: dict[str, object] | None,
     key: bytes | None = None,
 ) -> bytes:
+    digest = code_hash(python_code)
+    _built_here.add(digest)
     envelope: dict[str, object] = {
         "format": CACHE_FORMAT,
         "version": CACHE_VERSION,
         "backend": backend,
-        "code_hash": code_hash(python_code),
+        "code_hash": digest,
         "artifact": artifact,
     }
     if key is not None:

@@ -7,6 +7,8 @@ capture, from ``load`` or from inside the artifact's driver.
 """
 
 import reprlib
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class PrecompileError(RuntimeError):
@@ -35,3 +37,17 @@ _bounded_repr = reprlib.Repr()
 _bounded_repr.maxlevel = 3
 _bounded_repr.maxstring = _bounded_repr.maxother = 60
 describe_untrusted = _bounded_repr.repr
+
+
+def listed(
+    items: Sequence[Any], show: Callable[[Any], str] = repr, limit: int = 3
+) -> str:
+    """``items`` as a message lists them: all of them when there are few, else the
+    first ``limit`` and how many more, e.g. "['a', 'b', 'c'] and 43 more", so that
+    a long list never buries a message's first line, the one that says what to do.
+    The artifact's runtime support has its own copy (``_listed``), as it never
+    imports precompile_gen."""
+    if len(items) <= limit + 1:
+        return "[" + ", ".join(map(show, items)) + "]"
+    shown = ", ".join(map(show, items[:limit]))
+    return f"[{shown}] and {len(items) - limit} more"

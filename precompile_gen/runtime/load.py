@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from precompile_gen.capture_result import BACKENDS, METADATA_NAMES, OPTIONAL_METADATA
 from precompile_gen.runtime import kernel_binaries
-from precompile_gen.runtime.cache import check_key, code_hash, read_cache
-from precompile_gen.runtime.errors import PrecompileError
+from precompile_gen.runtime.cache import built_here, check_key, code_hash, read_cache
+from precompile_gen.runtime.errors import PrecompileError, listed
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,11 @@ def metadata_of(module: ast.Module) -> dict[str, object]:
     missing = [name for name in METADATA_NAMES if name not in found]
     if missing:
         raise PrecompileError(
-            f"python_code lacks the metadata constants {missing}; it is not a "
+            f"python_code lacks {len(missing)} of the metadata constants: it is not a "
             "precompile_gen artifact, was made by another version of precompile_gen, "
             "or was truncated or edited. Pass the python_code returned by "
-            "precompile() of this version (precompile again to regenerate it)."
+            "precompile() of this version (precompile again to regenerate it).\n"
+            f"  missing {listed(missing)}"
         )
     if found["BACKEND"] not in BACKENDS:
         raise PrecompileError(
@@ -150,15 +151,9 @@ def load(
     if key is not None:
         check_key(key)
     text, filename = _artifact_text(python_code)
-    try:
-        metadata = parse_metadata(text)
-    except PrecompileError as error:
-        if filename is None and "\n" not in text and os.path.isfile(text):
-            raise PrecompileError(
-                f"{error} python_code is the artifact's text when it is a str; to "
-                f"load the file {text!r}, pass pathlib.Path({text!r})."
-            ) from error
-        raise
+    if filename is None:
+        _reject_a_path(text)
+    metadata = parse_metadata(text)
     backend = str(metadata["BACKEND"])
     if cache is None:
         if key is not None:
@@ -187,6 +182,19 @@ def load(
     # state, as lowering does; the two take turns.
     with kernel_binaries.TORCH_STATE_LOCK:
         return _execute(text, filename, signed=signed, binaries=binaries or {})
+
+
+def _reject_a_path(text: str) -> None:
+    """Refuse a str that is a file's path rather than an artifact's text: an
+    artifact is many lines, so a one-line str naming a file or a .py name is a
+    path, and read as code it would only be refused for lacking every constant."""
+    if "\n" in text or not (text.endswith(".py") or os.path.isfile(text)):
+        return
+    raise PrecompileError(
+        "python_code is a str, which load reads as the artifact's text, but it is "
+        f"the path {text!r}: pass pathlib.Path({text!r}) to load the file, or pass "
+        "the file's text."
+    )
 
 
 def _resolve_kernels(namespace: dict[str, object]) -> None:
@@ -242,6 +250,33 @@ def _read_file(path: str, what: str) -> bytes:
         ) from error
 
 
+# The code hashes of the unsigned artifacts this process has warned about: a
+# program that loads one artifact per worker or per request needs the warning once,
+# not a copy at every load that drowns its other warnings.
+_warned: set[str] = set()
+
+
+def _log_execution(digest: str, filename: str, *, signed: bool) -> None:
+    if signed:
+        log.info("precompile_gen.load: executing signed python_code %s.", filename)
+    elif built_here(digest) or digest in _warned:
+        log.info(
+            "precompile_gen.load: executing unsigned python_code %s (%s).",
+            filename,
+            "this process produced it with precompile()"
+            if built_here(digest)
+            else "warned about at its first load",
+        )
+    else:
+        _warned.add(digest)
+        log.warning(
+            "precompile_gen.load is executing python_code %s, which no signature "
+            "vouches for (said once per artifact and process). An artifact is code: "
+            "load only artifacts you produced or trust.",
+            filename,
+        )
+
+
 def _execute(
     python_code: str,
     path: str | None,
@@ -249,19 +284,12 @@ def _execute(
     signed: bool,
     binaries: dict[str, str] | None = None,
 ) -> Callable[..., object]:
-    digest = code_hash(python_code)[:12]
+    full_digest = code_hash(python_code)
+    digest = full_digest[:12]
     # Tracebacks through the artifact name this file and show its lines: the real
     # path when it was read from one, else a stable name for its text.
     filename = path if path is not None else f"<precompile_gen:{digest}>"
-    if signed:
-        log.info("precompile_gen.load: executing signed python_code %s.", filename)
-    else:
-        log.warning(
-            "precompile_gen.load is executing python_code %s, which no signature "
-            "vouches for. An artifact is code: load only artifacts you produced or "
-            "trust.",
-            filename,
-        )
+    _log_execution(full_digest, filename, signed=signed)
     # The text is registered with no modification time, which linecache takes as
     # "never re-read from disk": the lines shown stay those that were executed even
     # after the file is rewritten.

@@ -487,6 +487,36 @@ def test_an_optimizer_of_another_model_is_rejected(
     assert "Build the optimizer from this model's parameters" in message
 
 
+def deep_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(20)), nn.Linear(4, 3))
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_an_optimizer_of_another_model_is_named_in_a_short_message() -> None:
+    # 42 parameters: a message that listed each foreign tensor ran to thousands of
+    # characters before it said what to do.
+    forward = precompiled(deep_mlp, sgd, train_step, batch(0), "eager")
+    model = deep_mlp()
+    message = rejected(forward, model, sgd(deep_mlp()), *batch(1))
+    first_line, *details = message.split("\n")
+    assert first_line == (
+        "param group 0 of the SGD at argument 1 (`optimizer`) holds 42 of its 42 "
+        "tensors not in the model: the optimizer was built for another model. Build "
+        "the optimizer from this model's parameters, in the traced order, or capture "
+        "again with it."
+    )
+    assert details == [
+        "  holds [<a tensor of shape (4, 4)>, <a tensor of shape (4,)>, "
+        "<a tensor of shape (4, 4)>] and 39 more",
+        "  traced ['0.weight', '0.bias', '1.weight'] and 39 more",
+    ]
+    assert len(message) < 600, message
+
+
 def test_other_param_groups_are_rejected(adam_step: Callable[..., object]) -> None:
     model = mlp()
     optimizer = torch.optim.Adam(

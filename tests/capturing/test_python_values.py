@@ -462,6 +462,34 @@ def test_a_draw_through_an_alias_is_refused_and_the_state_kept() -> None:
     assert random.getstate() == python_state
 
 
+def draw_with(model: nn.Module, x: torch.Tensor, generator: torch.Generator):
+    return model(x) * torch.rand(x.shape, generator=generator)
+
+
+@pytest.mark.parametrize(
+    ("fn", "extra"),
+    [
+        (count_calls, ()),
+        (jitter, ()),
+        (jitter_with_an_alias, ()),
+        (draw_with, (torch.Generator().manual_seed(1),)),
+    ],
+    ids=["effect", "draw", "draw through an alias", "own generator"],
+)
+def test_a_refusal_is_the_public_error_type_with_a_clean_message(
+    fn: Callable[..., object], extra: tuple[object, ...]
+) -> None:
+    # A traceback prints the raised type's name: the one users catch, not an
+    # internal subclass of it.
+    with pytest.raises(pg.PrecompileError) as error:
+        pg.capture(fn, nn.Linear(4, 4), example(), *extra, backend="eager")
+    assert type(error.value) is pg.PrecompileError
+    assert type(error.value).__name__ == "PrecompileError"
+    message = str(error.value)
+    assert message == message.strip() and "\n" not in message, repr(message)
+    assert "Move the write out" in message or "pass" in message, message
+
+
 class Locked(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -102,9 +102,26 @@ def test_load_treats_a_str_as_code_and_hints_at_a_path(
 ) -> None:
     artifact = tmp_path / "step.py"
     files.write_pair(artifact, tmp_path / "step.cache", pairs[0].code, pairs[0].cache)
-    with pytest.raises(pg.PrecompileError, match="not valid Python") as info:
+    with pytest.raises(pg.PrecompileError) as info:
         pg.load(str(artifact), pairs[0].cache)
-    assert f"pass pathlib.Path({str(artifact)!r})" in str(info.value)
+    message = str(info.value)
+    # The hint is the whole message, not a postscript to a list of what the path,
+    # read as code, lacks.
+    assert "\n" not in message and len(message) < 300, message
+    assert "python_code is a str, which load reads as the artifact's text" in message
+    assert f"pass pathlib.Path({str(artifact)!r}) to load the file" in message
+
+
+def test_load_hints_at_a_path_for_a_py_name_that_is_no_file(pairs: list[Pair]) -> None:
+    # Read as code, "out/model.py" is the valid expression out / model.py, which
+    # lacks every metadata constant: the message says what it is instead.
+    with pytest.raises(pg.PrecompileError) as info:
+        pg.load("out/model.py", pairs[0].cache)
+    assert str(info.value) == (
+        "python_code is a str, which load reads as the artifact's text, but it is "
+        "the path 'out/model.py': pass pathlib.Path('out/model.py') to load the "
+        "file, or pass the file's text."
+    )
 
 
 def test_write_pair_keeps_text_byte_for_byte(tmp_path: Path) -> None:

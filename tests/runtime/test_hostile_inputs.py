@@ -605,7 +605,8 @@ def test_fuzz_load_with_a_mutated_cache(
             envelope.get("artifact"), dict | None
         )
         assert len(warnings_seen.about(SKIPPED_CACHE)) == skipped
-        assert len(warnings_seen.about("no signature vouches")) == 1
+        # This process produced the code, so its execution is logged at INFO.
+        assert warnings_seen.about("no signature vouches") == []
         _assert_runs_correctly(subject, forward)
 
     _fuzz("load_cache", cache_bytes_cases, check)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import logging
 import os
 import pickle
@@ -26,7 +27,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.capture_result import Backend, metadata_constants
+from precompile_gen.capture_result import (
+    METADATA_NAMES,
+    OPTIONAL_METADATA,
+    Backend,
+    metadata_constants,
+)
 from precompile_gen.codegen.stubs import stub_capture
 from precompile_gen.runtime.cache import CACHE_FORMAT, CACHE_VERSION, build_cache
 
@@ -328,11 +334,17 @@ def test_parse_metadata_names_a_missing_constant(captured: Captured) -> None:
     assert "PARAM_NAMES" not in message
 
 
-def test_parse_metadata_of_empty_text_names_every_constant() -> None:
+def test_parse_metadata_of_empty_text_counts_every_constant() -> None:
     with pytest.raises(pg.PrecompileError) as info:
         pg.parse_metadata("")
-    for name in ("BACKEND", "MODULE_POSITIONS", "USER_INPUT_BOUNDS"):
-        assert name in str(info.value)
+    message = str(info.value)
+    required = [name for name in METADATA_NAMES if name not in OPTIONAL_METADATA]
+    first_line, _, rest = message.partition("\n")
+    assert f"lacks {len(required)} of the metadata constants" in first_line
+    assert "Pass the python_code returned by precompile()" in first_line
+    # The first few are named, the rest counted, so the fix stays in view.
+    assert rest == f"  missing {required[:3]} and {len(required) - 3} more", rest
+    assert len(message) < 600, message
 
 
 def test_parse_metadata_rejects_a_non_literal_constant(captured: Captured) -> None:
@@ -440,7 +452,12 @@ def test_load_rejects_a_non_bytes_cache(captured: Captured, cache: Any) -> None:
 
 
 def _edited(code: str) -> str:
-    return code + "\n# reviewed\n"
+    # Each edit is a new artifact, which load has not warned about yet in this
+    # process, whichever tests ran before.
+    return code + f"\n# reviewed ({next(_edits)})\n"
+
+
+_edits = itertools.count()
 
 
 def test_a_cache_of_the_unedited_artifact_says_it_may_have_been_edited(
@@ -596,21 +613,44 @@ def test_load_warns_about_an_artifact_payload_that_is_not_a_dict(
 # --- load: execution ----------------------------------------------------------------
 
 
-def test_load_warns_each_time_it_executes_code(
+def _load_records(
+    caplog: pytest.LogCaptureFixture, level: int, needle: str
+) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "precompile_gen.runtime.load"
+        and r.levelno == level
+        and needle in r.getMessage()
+    ]
+
+
+def test_an_unsigned_artifact_is_warned_about_once_per_process(
     captured: Captured, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING)
-    pg.load(captured.code, captured.cache)
-    assert len(warnings_about(caplog, "executing python_code")) == 1
-    pg.load(captured.code, captured.cache)
-    executing = warnings_about(caplog, "executing python_code")
-    assert len(executing) == 2
-    assert all("trust" in message for message in executing)
-    assert all(
-        r.name.startswith("precompile_gen")
-        for r in caplog.records
-        if r.levelno == logging.WARNING
-    )
+    caplog.set_level(logging.INFO)
+    edited = _edited(captured.code)
+    for _ in range(3):
+        assert_runs_like_eager(pg.load(edited, None))
+    warnings = _load_records(caplog, logging.WARNING, "no signature vouches")
+    assert len(warnings) == 1, warnings
+    assert "said once per artifact and process" in warnings[0]
+    assert "load only artifacts you produced or trust" in warnings[0]
+    assert len(_load_records(caplog, logging.INFO, "warned about at its first")) == 2
+    # Another artifact is warned about on its own.
+    assert_runs_like_eager(pg.load(_edited(captured.code), None))
+    assert len(_load_records(caplog, logging.WARNING, "no signature vouches")) == 2
+
+
+def test_an_artifact_this_process_produced_is_logged_at_info(
+    captured: Captured, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    assert_runs_like_eager(pg.load(captured.code, captured.cache))
+    assert_runs_like_eager(pg.load(captured.code, None))
+    assert _load_records(caplog, logging.WARNING, "no signature") == []
+    infos = _load_records(caplog, logging.INFO, "this process produced it")
+    assert len(infos) == 2, caplog.records
 
 
 def test_load_does_not_execute_before_the_pairing_check(
@@ -698,6 +738,8 @@ def test_an_artifact_of_another_version_is_named_as_such(captured: Captured) -> 
     with pytest.raises(pg.PrecompileError) as info:
         pg.load(old, captured.cache)
     message = str(info.value)
-    assert "lacks the metadata constants ['USER_INPUT_VALUES']" in message
+    first_line, _, rest = message.partition("\n")
+    assert "lacks 1 of the metadata constants" in first_line
+    assert "missing ['USER_INPUT_VALUES']" in rest
     assert "made by another version of precompile_gen" in message
     assert "precompile again to regenerate it" in message

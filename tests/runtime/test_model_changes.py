@@ -251,7 +251,7 @@ CHANGES: dict[str, tuple[Callable[[Net], object], list[str]]] = {
     ),
     "weights tied": (
         lambda m: setattr(m.lin2, "weight", m.lin1.weight),
-        ["'lin2.weight' is tied to 'lin1.weight'"],
+        ["tied here, separate in the traced model: ['lin2.weight' to 'lin1.weight']"],
     ),
     # A Linear has no buffers, so .to() keeps its member dicts as they were and
     # converts its parameters in place (param.data = ...).
@@ -397,3 +397,77 @@ def test_without_guard_primitives_every_call_is_checked(
 def test_guard_primitives_are_available(forward: Forward) -> None:
     # The fast path must not silently fall back on the torch this project pins.
     assert forward.__globals__["_GUARDED"] is True
+
+
+# --- a model of another architecture -------------------------------------------------
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(4)
+        )
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+class TinyCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(
+            *(nn.Sequential(nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3)) for _ in range(4))
+        )
+        self.fc = nn.Linear(3, 10)
+
+
+def test_a_model_of_another_architecture_gets_a_short_message() -> None:
+    code, cache = pg.precompile(
+        lambda model, tokens: model(tokens),
+        TinyGPT(),
+        torch.zeros(2, 5, dtype=torch.long),
+        backend="eager",
+    )
+    forward = pg.load(code, cache)
+    message = assert_call_rejected(
+        forward, TinyCNN(), torch.zeros(2, 5, dtype=torch.long), match=[]
+    )
+    first_line, *details = message.split("\n")
+    # Every name of one differs from every name of the other: 19 + 30.
+    assert first_line == (
+        "the model's parameters and buffers differ from the traced model's (49 names "
+        "differ). Pass a model of the traced architecture (only weight values may "
+        "differ), or capture again with this model."
+    )
+    assert details == [
+        "  missing ['wte.weight', 'blocks.0.0.weight', 'blocks.0.0.bias'] and 16 more",
+        "  unexpected ['convs.0.0.weight', 'convs.0.0.bias', 'convs.0.1.weight'] and "
+        "27 more (absent from the traced model, or tied to another tensor there)",
+    ]
+    assert len(message) < 600, message
+
+
+def test_parameters_made_views_of_one_tensor_are_named_in_a_short_message() -> None:
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+    forward = pg.load(*pg.precompile(step, model, torch.ones(2, 4), backend="eager"))
+    # As a flattening of the parameters into one buffer leaves them.
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    offset = 0
+    for param in model.parameters():
+        param.data = flat[offset : offset + param.numel()].view_as(param)
+        offset += param.numel()
+    message = assert_call_rejected(forward, model, torch.ones(2, 4), match=[])
+    assert message.startswith(
+        "the model's '0.weight', the model's '0.bias', the model's '1.weight' and 3 "
+        "more share one storage in this call"
+    ), message
+    assert "Pass separate tensors" in message and len(message) < 600, message

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import pytest
 import torch
@@ -23,6 +23,8 @@ from helpers.state_snapshot import (
 from torch import nn
 
 import precompile_gen as pg
+from precompile_gen.codegen import render
+from precompile_gen.runtime.errors import listed
 
 # Not importable by its path (unimportable:Pair): the artifact cannot
 # name it in its spec, so an artifact taking it has IN_SPEC = None and only the leaf
@@ -426,7 +428,7 @@ def test_different_tying(forward: Callable[..., object], batch: Batch) -> None:
         batch,
         0.5,
         match=[
-            "'lin2.weight' is tied to 'lin1.weight'",
+            "tied here, separate in the traced model: ['lin2.weight' to 'lin1.weight']",
             "Pass a model of the traced architecture",
         ],
     )
@@ -651,3 +653,21 @@ def test_a_capture_error_names_the_argument_as_the_artifact_would() -> None:
     assert "the input argument 1 (`batch['x']`) (a (3, 4) tensor)" in message
     assert "requires_grad=False" in message
     assert x.grad is None
+
+
+# --- lists in messages ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [0, 1, 4, 5, 46])
+def test_the_artifact_and_the_package_list_names_alike(count: int) -> None:
+    # The artifact carries its own copy of the helper, since it never imports
+    # precompile_gen; the two must show a list the same way.
+    support: dict[str, Any] = {}
+    exec(compile(render.runtime_support(), "<runtime support>", "exec"), support)
+    names = [f"layer{i}.weight" for i in range(count)]
+    assert support["_listed"](names) == listed(names)
+    shown = listed(names)
+    if count <= 4:
+        assert shown == repr(names)
+    else:
+        assert shown == f"{names[:3]!r} and {count - 3} more"

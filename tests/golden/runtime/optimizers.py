@@ -123,13 +123,7 @@ class _OptimizerArguments:
             if len(params) != len(indices) or any(
                 param is not tensors[index] for param, index in zip(params, indices)
             ):
-                return (
-                    f"param group {number} of {subject} holds "
-                    f"{self._param_names(params, tensors)}, but the traced one held "
-                    f"{[self.state_names[index] for index in indices]}. Build the "
-                    "optimizer from this model's parameters, in the traced order, or "
-                    "capture again with it."
-                )
+                return self._params_message(number, subject, params, indices, tensors)
             for key, value in traced["options"].items():
                 now = group.get(key)
                 if (tuple(now) if isinstance(now, list) else now) != value:
@@ -152,18 +146,35 @@ class _OptimizerArguments:
                 )
         return None
 
-    def _param_names(
-        self, params: list[torch.Tensor], tensors: list[torch.Tensor]
+    def _params_message(
+        self,
+        number: int,
+        subject: str,
+        params: list[torch.Tensor],
+        indices: list[int],
+        tensors: list[torch.Tensor],
     ) -> str:
         # Error path only: each parameter by its name in the model, where it has one.
-        names = {id(tensor): name for tensor, name in zip(tensors, self.state_names)}
+        names = {
+            id(tensor): repr(name) for tensor, name in zip(tensors, self.state_names)
+        }
+        foreign = sum(id(param) not in names for param in params)
+        held = (
+            f"{foreign} of its {len(params)} tensors not in the model: the optimizer "
+            "was built for another model"
+            if foreign
+            else "parameters of the model, but not the traced ones in the traced order"
+        )
         shown = [
-            names.get(
-                id(param), f"a tensor of shape {tuple(param.shape)} not in the model"
-            )
+            names.get(id(param)) or f"<a tensor of shape {tuple(param.shape)}>"
             for param in params
         ]
-        return str(shown)
+        traced = [self.state_names[index] for index in indices]
+        return (
+            f"param group {number} of {subject} holds {held}. Build the optimizer "
+            "from this model's parameters, in the traced order, or capture again "
+            f"with it.\n  holds {_listed(shown, str)}\n  traced {_listed(traced)}"
+        )
 
     def _gradients_problem(
         self,

@@ -20,6 +20,18 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 
+# --- Messages -----------------------------------------------------------------------
+def _listed(items: list[Any], show: Callable[[Any], str] = repr, limit: int = 3) -> str:
+    """``items`` as a message lists them: all of them when there are few, else the
+    first ``limit`` and how many more, e.g. "['a', 'b', 'c'] and 43 more". A model
+    of another architecture differs in dozens of names, and a message that lists
+    them all buries its first line, the one that says what to do."""
+    if len(items) <= limit + 1:
+        return "[" + ", ".join(map(show, items)) + "]"
+    shown = ", ".join(map(show, items[:limit]))
+    return f"[{shown}] and {len(items) - limit} more"
+
+
 # --- The call's arguments -----------------------------------------------------------
 def _argument(position: int, names: list[str], path: str = "") -> str:
     """How messages name the call's argument at ``position``, or its part at ``path``:
@@ -275,8 +287,9 @@ def _mode_and_hook_problem(
 def _describe_state_difference(
     modules: list[torch.nn.Module], names: list[str], traced_names: list[str]
 ) -> str:
-    # Error path only: name every member, aliases of tied tensors included, to tell
-    # a tying difference apart from a missing or renamed member.
+    # Error path only: the first line says what to do; the lines after it name the
+    # members, aliases of tied tensors included, to tell a tying difference apart
+    # from a missing or renamed member.
     first_name: dict[int, str] = {}
     alias_of: dict[str, str] = {}
     for kind in ("named_parameters", "named_buffers"):
@@ -284,31 +297,36 @@ def _describe_state_difference(
             alias_of[name] = first_name.setdefault(id(tensor), name)
     missing = [n for n in traced_names if n not in names and n not in alias_of]
     unexpected = [n for n in names if n not in traced_names]
-    problems = [
-        f"{n!r} is tied to {alias_of[n]!r} here but was a separate tensor in the "
-        "traced model"
+    tied = [
+        f"{n!r} to {alias_of[n]!r}"
         for n in traced_names
         if n not in names and n in alias_of
     ]
+    details = []
+    if tied:
+        details.append(f"tied here, separate in the traced model: {_listed(tied, str)}")
     if missing:
-        problems.append(f"missing {missing}")
+        details.append(f"missing {_listed(missing)}")
     if unexpected:
-        problems.append(
-            f"unexpected {unexpected} (absent from the traced model, or tied to "
-            "another tensor there)"
+        details.append(
+            f"unexpected {_listed(unexpected)} (absent from the traced model, or "
+            "tied to another tensor there)"
         )
-    if not problems:
+    differ = len(tied) + len(missing) + len(unexpected)
+    if not details:
         position = next(
             i for i, (a, b) in enumerate(zip(names, traced_names)) if a != b
         )
-        problems.append(
-            f"the same names in another order: position {position} holds "
-            f"{names[position]!r} where the traced model had {traced_names[position]!r}"
+        details.append(
+            f"position {position} holds {names[position]!r} where the traced model "
+            f"had {traced_names[position]!r}"
         )
+    how = f"{differ} names differ" if differ else "the same names in another order"
+    lines = "".join(f"\n  {line}" for line in details)
     return (
-        "the model's parameters and buffers differ from the traced model's: "
-        f"{'; '.join(problems)}. Pass a model of the traced architecture (only weight "
-        "values may differ), or capture again with this model."
+        f"the model's parameters and buffers differ from the traced model's ({how}). "
+        "Pass a model of the traced architecture (only weight values may differ), "
+        f"or capture again with this model.{lines}"
     )
 
 
