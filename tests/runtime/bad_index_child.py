@@ -12,39 +12,21 @@ import sys
 from typing import cast
 
 import torch
-from torch import nn
+from helpers.token_classifier import TokenClassifier, classification_step
 
 import precompile_gen as pg
 
 
-class Tagger(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(50, 16)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(ids)).mean(1)
-
-
-def step(
-    model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
-    opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(ids), y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
-
-
 def main(backend: str) -> None:
     torch.manual_seed(0)
-    model = Tagger()
+    model = TokenClassifier()
     twin = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     ids, y = torch.randint(0, 50, (64, 12)), torch.randint(0, 4, (64,))
-    forward = pg.load(*pg.precompile(step, model, opt, ids, y, backend=backend))
+    forward = pg.load(
+        *pg.precompile(classification_step, model, opt, ids, y, backend=backend)
+    )
     bad = ids.clone()
     bad[1, 3] = 50
     before = [p.detach().clone() for p in model.parameters()]
@@ -63,7 +45,8 @@ def main(backend: str) -> None:
     losses = []
     for _ in range(2):
         loss = cast(torch.Tensor, forward(model, opt, ids, y))
-        losses.append([float(loss), float(step(twin, twin_opt, ids, y))])
+        expected = classification_step(twin, twin_opt, ids, y)
+        losses.append([float(loss), float(expected)])
     report["losses"] = losses
     report["max_parameter_difference"] = max(
         (p - q).abs().max().item()

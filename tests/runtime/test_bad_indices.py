@@ -16,6 +16,7 @@ import torch
 from helpers.golden import eager_index_checks
 from helpers.processes import env_with_helpers
 from helpers.state_snapshot import assert_call_rejected
+from helpers.token_classifier import TokenClassifier, classification_step
 from torch import nn
 
 import precompile_gen as pg
@@ -102,27 +103,6 @@ def test_the_index_check_reads_only_what_the_graph_indexes_with() -> None:
     assert _index_problem(torch.zeros(0, dtype=torch.long), (), 0, 1, None) is None
 
 
-class _Shifted(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(50, 8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids + 1 is computed by the graph, so only the graph's embedding checks it.
-        return self.head(self.emb(ids + 1)).mean(1)
-
-
-def _step(
-    model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
-    opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(ids), y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
-
-
 @pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
 def test_an_index_error_inside_the_graph_leaves_model_and_optimizer_as_they_were(
     optimizer: str,
@@ -130,7 +110,7 @@ def test_an_index_error_inside_the_graph_leaves_model_and_optimizer_as_they_were
     # The optimizer's momentum decay reads nothing of the forward: were it run
     # before the embedding, the failed call would have decayed it.
     torch.manual_seed(0)
-    model = _Shifted()
+    model = TokenClassifier(width=8, shift=1)
     twin = copy.deepcopy(model)
 
     def make(m: nn.Module) -> torch.optim.Optimizer:
@@ -140,7 +120,9 @@ def test_an_index_error_inside_the_graph_leaves_model_and_optimizer_as_they_were
 
     opt, twin_opt = make(model), make(twin)
     ids, y = torch.randint(0, 49, (2, 6)), torch.randint(0, 4, (2,))
-    forward = pg.load(*pg.precompile(_step, model, opt, ids, y, backend="eager"))
+    forward = pg.load(
+        *pg.precompile(classification_step, model, opt, ids, y, backend="eager")
+    )
     bad = ids.clone()
     bad[1, 3] = 49
     if optimizer == "AdamW":
@@ -149,7 +131,7 @@ def test_an_index_error_inside_the_graph_leaves_model_and_optimizer_as_they_were
             forward(model, opt, bad, y)
         assert not opt.state
     forward(model, opt, ids, y)
-    _step(twin, twin_opt, ids, y)
+    classification_step(twin, twin_opt, ids, y)
     params = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict()["state"])
     with pytest.raises(IndexError):
@@ -163,7 +145,7 @@ def test_an_index_error_inside_the_graph_leaves_model_and_optimizer_as_they_were
     assert getattr(forward, "__globals__", {}).get("_remembered", None) is None
     for _ in range(2):
         torch.testing.assert_close(
-            forward(model, opt, ids, y), _step(twin, twin_opt, ids, y)
+            forward(model, opt, ids, y), classification_step(twin, twin_opt, ids, y)
         )
     for param, expected in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(param, expected)
