@@ -106,7 +106,7 @@ def test_hooks_are_recorded_in_the_metadata(caplog: pytest.LogCaptureFixture) ->
     assert "anything else they do (recording, logging) happens only now" in (
         warning.getMessage()
     )
-    assert warning.getMessage().endswith("Hooked: <root>, 2.")
+    assert warning.getMessage().endswith("Hooked: [<root>, 2].")
 
 
 def test_a_capture_without_hooks_says_nothing_of_them(
