@@ -148,14 +148,14 @@ def index_check_costs() -> None:
     namespace = _namespace("precompile_gen", "eager", model, torch.randint(0, 9, (2,)))
     _index_problem = namespace["_index_problem"]
     print("\nindex check (one thread)   whole input µs  through a slice µs")
-    cut = (("slice.Tensor", (1, 0, -1)),)
+    cut = (("slice.Tensor", ({"leaf": 0}, 1, 0, -1), {}),)
     for shape in [(8, 32), (64, 512)]:
-        ids = torch.randint(0, 1000, shape)
+        ids = [torch.randint(0, 1000, shape)]
         whole = _seconds_per_call(
-            functools.partial(_index_problem, ids, (), 0, 1000, None), 2000
+            functools.partial(_index_problem, ids, (0,), (), 0, 1000, None), 2000
         )
         part = _seconds_per_call(
-            functools.partial(_index_problem, ids, cut, 0, 1000, -100), 2000
+            functools.partial(_index_problem, ids, (0,), cut, 0, 1000, -100), 2000
         )
         label = f"{shape[0]} x {shape[1]} token ids"
         print(f"{label:<26} {whole * 1e6:>14.1f} {part * 1e6:>19.1f}")

@@ -270,14 +270,21 @@ class InputLeaf(NamedTuple):
     value: LeafValue | None
 
 
-class IndexCheck(NamedTuple):
-    """An index the graph takes from a user-input leaf, which eager would refuse
-    outside a range: the driver checks it before the graph runs."""
+# One op of the computation of an index from the input leaves: the aten op and
+# overload ("add.Tensor"), its arguments and keyword arguments, where a tensor is
+# {"leaf": k} (input leaf k) or {"step": j} (step j's result), a dtype {"dtype": name}.
+IndexStep = tuple[str, tuple[object, ...], dict[str, object]]
 
-    # The leaf, and the ops (aten name and overload, then their arguments after the
-    # tensor) that select the graph's index from it; none where it is the whole leaf.
-    leaf: int
-    path: tuple[tuple[str, tuple[object, ...]], ...]
+
+class IndexCheck(NamedTuple):
+    """An index the graph computes from user-input leaves alone, which eager would
+    refuse outside a range: the driver computes and checks it before the graph
+    runs."""
+
+    # The leaves it is computed from, and how: with no steps, it is the one leaf
+    # itself; otherwise the last step's result.
+    sources: tuple[int, ...]
+    steps: tuple[IndexStep, ...]
     # Every value must satisfy low <= value < high, or equal ``allowed`` (a loss's
     # ignore_index).
     low: int

@@ -6,15 +6,16 @@ that loop runs in parallel threads the C++ exception cannot reach Python and the
 process aborts. Either way the graph has run part of its ops by then, and those that
 write the model, its buffers or the optimizer's state may have done so.
 
-So capture finds each op that can refuse an index (``FALLIBLE``) whose index tensor
-is a user-input leaf, or comes from one through views, slices and selects, and
-records an ``IndexCheck``: the leaf, those ops (applied at call time, so that only
-the values the graph indexes with are held to the range) and the range eager
-enforces. The driver runs every check before anything else runs.
+So capture finds each op that can refuse an index (``FALLIBLE``) whose index the
+graph computes from user-input leaves alone: a leaf itself, or a few functional
+integer ops on leaves (views, slices, ``ids + 1``, ``labels.masked_fill(mask, -100)``).
+It records an ``IndexCheck``: those ops as a recipe the driver replays with ATen, and
+the range eager enforces. The driver runs every check before anything else runs.
 
-An index the graph computes (``ids + 1``, ``labels.masked_fill(...)``) has no such
-check; on the eager backend ``update_order`` keeps each write of a graph input
-after such an op, so that its ``IndexError`` still leaves the inputs untouched.
+An index computed from the model's weights or activations, or through floating-point
+ops, has no such check; on the eager backend ``update_order`` keeps each write of a
+graph input after the op that refuses it, so that its ``IndexError`` still leaves
+the inputs untouched.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from precompile_gen.capture_result import IndexCheck
+from precompile_gen.capture_result import IndexCheck, IndexStep
 
 aten = torch.ops.aten
 
@@ -132,16 +133,15 @@ FALLIBLE: dict[object, Callable[[torch.fx.Node], list]] = {
     aten.one_hot.default: _one_hot,
 }
 
-# Ops between a leaf and an index that keep its values, each with the arguments the
-# driver applies it with (after the tensor); those that change only the layout need
-# not be applied at all.
-_LAYOUT_ONLY = {
+# Ops that pass their argument's values on unchanged, and those that only rearrange
+# them: a recipe need not end in one of those, whose values the check reads anyway.
+_IDENTITY = {
     aten.clone.default,
     aten.alias.default,
     aten.detach.default,
     aten.lift_fresh_copy.default,
 }
-_REPLAYED = {
+_REARRANGING = {
     aten.view.default,
     aten._unsafe_view.default,
     aten.reshape.default,
@@ -154,13 +154,12 @@ _REPLAYED = {
     aten.permute.default,
     aten.transpose.int,
     aten.flatten.using_ints,
-    aten.slice.Tensor,
-    aten.select.int,
 }
+# A view of the graph's own contiguous copy is replayed as a reshape of the leaf.
 _VIEWS = {aten.view.default, aten._unsafe_view.default}
-# Replayed ops that select some of the values: without one, a path only rearranges
-# the leaf's values, and the check reads the leaf itself.
-_SELECTING = {aten.slice.Tensor, aten.select.int}
+# A longer computation is the graph's to check.
+_MAX_STEPS = 12
+_NOT_REPLAYABLE = object()
 
 
 def index_uses(node: torch.fx.Node) -> list[IndexUse]:
@@ -182,21 +181,29 @@ def index_uses(node: torch.fx.Node) -> list[IndexUse]:
 def index_checks(
     gm: torch.fx.GraphModule, num_state: int, num_leaves: int, state_names: list[str]
 ) -> list[IndexCheck]:
-    """The checks of every index the graph takes from a user-input leaf."""
+    """The checks of every index the graph computes from user-input leaves alone."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = {node: i for i, node in enumerate(placeholders)}
-    checks: dict[IndexCheck, None] = {}
+    # By their text: a step's keywords are a dict, which does not hash.
+    checks: dict[str, IndexCheck] = {}
     for node in gm.graph.nodes:
         for index, low, high, allowed, what in index_uses(node):
-            found = _path_to_leaf(index, position, num_state, num_leaves)
-            if found is None:
+            recipe = _Recipe(position, num_state, num_leaves)
+            if not recipe.make(index):
                 continue
-            leaf, path = found
             owner = _state_name(node.args[0], position, num_state, state_names)
             if owner is not None:
                 what = f"{what} of the model's {owner!r}"
-            checks[IndexCheck(leaf, path, low, high, allowed, what)] = None
-    return list(checks)
+            check = IndexCheck(
+                tuple(sorted(recipe.sources)),
+                tuple(recipe.steps),
+                low,
+                high,
+                allowed,
+                what,
+            )
+            checks.setdefault(repr(check), check)
+    return list(checks.values())
 
 
 def _state_name(
@@ -209,51 +216,105 @@ def _state_name(
     return state_names[at] if at is not None and at < num_state else None
 
 
-def _path_to_leaf(
-    index: torch.fx.Node,
-    position: dict[torch.fx.Node, int],
-    num_state: int,
-    num_leaves: int,
-) -> tuple[int, tuple[tuple[str, tuple[object, ...]], ...]] | None:
-    """The leaf ``index`` comes from and the ops that make it, in the order the
-    driver applies them; None where it is computed otherwise."""
-    path: list[tuple[str, tuple[object, ...]]] = []
-    node = index
-    while node.op != "placeholder":
-        target = node.target
-        if node.op != "call_function" or (node.kwargs and target not in _LAYOUT_ONLY):
-            return None
-        source = node.args[0]
-        if not isinstance(source, torch.fx.Node):
-            return None
-        if target in _REPLAYED:
-            arguments = tuple(_literal(a) for a in node.args[1:])
-            if any(a is None for a in arguments):
+class _Recipe:
+    """How the driver computes an index from the input leaves: the graph's own ops,
+    each an ``IndexStep``, whose arguments refer to a leaf (``{"leaf": k}``) or an
+    earlier step's result (``{"step": j}``)."""
+
+    def __init__(
+        self, position: dict[torch.fx.Node, int], num_state: int, num_leaves: int
+    ) -> None:
+        self.position, self.num_state, self.num_leaves = position, num_state, num_leaves
+        self.sources: list[int] = []
+        self.steps: list[IndexStep] = []
+        self.references: dict[torch.fx.Node, dict[str, int]] = {}
+
+    def make(self, index: torch.fx.Node) -> bool:
+        """Whether ``index`` is computed from input leaves alone, by few functional
+        integer ops; the recipe then ends with it."""
+        if self.reference(index) is None:
+            return False
+        # The last ops only rearranging what the check reads are left out.
+        while self.steps and self.steps[-1][0] in _REARRANGING_NAMES:
+            source = self.steps.pop()[1][0]
+            if isinstance(source, dict) and "leaf" in source:
+                self.steps.clear()
+        return len(self.steps) <= _MAX_STEPS and (
+            bool(self.steps) or len(self.sources) == 1
+        )
+
+    def reference(self, node: torch.fx.Node) -> dict[str, int] | None:
+        if node in self.references:
+            return self.references[node]
+        if node.op == "placeholder":
+            leaf = self.position[node] - self.num_state
+            if not 0 <= leaf < self.num_leaves:
                 return None
-            # A view of the graph's own contiguous copy is a reshape of the leaf.
-            name = "reshape.default" if target in _VIEWS else _qualified(target)
-            path.append((name, arguments))
-        elif target not in _LAYOUT_ONLY:
+            self.sources.append(leaf)
+            reference = {"leaf": leaf}
+        elif node.op == "call_function" and node.target in _IDENTITY:
+            source = node.args[0]
+            found = (
+                self.reference(source) if isinstance(source, torch.fx.Node) else None
+            )
+            if found is None:
+                return None
+            reference = found
+        else:
+            step = self.step(node)
+            if step is None:
+                return None
+            self.steps.append(step)
+            reference = {"step": len(self.steps) - 1}
+        self.references[node] = reference
+        return reference
+
+    def step(self, node: torch.fx.Node) -> IndexStep | None:
+        if not _replayable(node) or len(self.steps) >= _MAX_STEPS:
             return None
-        node = source
-    leaf = position[node] - num_state
-    if not 0 <= leaf < num_leaves:
-        return None
-    path.reverse()
-    # The ops after the last selection only rearrange the values it selected.
-    while path and path[-1][0] not in _SELECTING_NAMES:
-        path.pop()
-    return leaf, tuple(path)
+        target = node.target
+        arguments = tuple(self.argument(a) for a in node.args)
+        keywords = {name: self.argument(a) for name, a in node.kwargs.items()}
+        if any(a is _NOT_REPLAYABLE for a in [*arguments, *keywords.values()]):
+            return None
+        name = "reshape.default" if target in _VIEWS else _qualified(target)
+        return (name, arguments, keywords)
+
+    def argument(self, value: object) -> object:
+        """An op's argument as the recipe writes it: a reference, a literal, or
+        _NOT_REPLAYABLE (a symbolic size, a device)."""
+        if isinstance(value, torch.fx.Node):
+            found = self.reference(value)
+            return _NOT_REPLAYABLE if found is None else found
+        if isinstance(value, (list, tuple)):
+            items = tuple(self.argument(v) for v in value)
+            return _NOT_REPLAYABLE if _NOT_REPLAYABLE in items else items
+        if value is None or type(value) in (int, float, bool, str):
+            return value
+        if isinstance(value, torch.dtype):
+            return {"dtype": str(value).removeprefix("torch.")}
+        return _NOT_REPLAYABLE
 
 
-def _literal(value: object) -> object:
-    """An op's argument as the driver passes it: an int, or a tuple of ints; None for
-    anything else (a symbolic size)."""
-    if type(value) is int:
-        return value
-    if isinstance(value, (list, tuple)) and all(type(v) is int for v in value):
-        return tuple(value)
-    return None
+def _replayable(node: torch.fx.Node) -> bool:
+    """A functional op, drawing nothing at random and refusing no index, with one
+    integer or boolean tensor as its result: cheap, and safe to run twice."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    value = node.meta.get("val")
+    return (
+        target not in FALLIBLE
+        and torch.Tag.nondeterministic_seeded not in target.tags
+        and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+        )
+        and len(target._schema.returns) == 1
+        and isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and not value.is_complex()
+    )
 
 
 def _qualified(target: object) -> str:
@@ -262,4 +323,4 @@ def _qualified(target: object) -> str:
     return f"{target.overloadpacket.__name__}.{target._overloadname}"
 
 
-_SELECTING_NAMES = {_qualified(op) for op in _SELECTING}
+_REARRANGING_NAMES = {_qualified(op) for op in _REARRANGING} | {"reshape.default"}

@@ -225,7 +225,14 @@ def all_features_capture(backend: Backend) -> CaptureResult:
         ),
         deferred_steps=[DeferredStep(position=4, name="SGD", params=[0])],
         index_checks=[
-            IndexCheck(1, (("slice.Tensor", (1, 0, -1)),), 0, 50, -100, "loss classes")
+            IndexCheck(
+                (1,),
+                (("slice.Tensor", ({"leaf": 1}, 1, 0, -1), {}),),
+                0,
+                50,
+                -100,
+                "loss classes",
+            )
         ],
     )
     return _distributed(capture)

@@ -145,20 +145,29 @@ USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None]
 # Per leaf: the value of a bool, int, float or str leaf, built into the graph as a
 # constant, so each call must pass the same; None for tensors and other values.
 USER_INPUT_VALUES: list[bool | int | float | str | None] = [None]
-# The indices the graph takes from input leaves (an embedding's ids, a loss's
-# targets), each as (leaf, the ops that select it from the leaf, low, high, a value
-# allowed besides, what it indexes): every call must bring low <= value < high (or
-# that value), as eager PyTorch requires, and is checked before the graph runs.
-INDEX_CHECKS: list[tuple[int, tuple[object, ...], int, int, int | None, str]] = [
+# The indices the graph computes from input leaves alone (an embedding's ids, a
+# loss's targets), each as (the leaves, the graph's ops that compute it from them,
+# each (op, arguments, keywords) with {"leaf": k} and {"step": j} for its tensors,
+# none when it is the leaf itself; low, high, a value allowed besides, what it
+# indexes): every call must keep low <= value < high (or that value), as eager
+# PyTorch requires, and is checked before the graph runs.
+INDEX_CHECKS: list[tuple[tuple[int, ...], tuple, int, int, int | None, str]] = [
     (
-        0,
-        (("slice.Tensor", (1, 0, -1)),),
+        (0,),
+        (("slice.Tensor", ({"leaf": 0}, 1, 0, -1), {}),),
         0,
         10,
         None,
         "embedding rows of the model's '0.weight'",
     ),
-    (0, (("slice.Tensor", (1, 1, 9223372036854775807)),), 0, 10, -100, "loss classes"),
+    (
+        (0,),
+        (("slice.Tensor", ({"leaf": 0}, 1, 1, 9223372036854775807), {}),),
+        0,
+        10,
+        -100,
+        "loss classes",
+    ),
 ]
 # Groups of graph inputs (indices into [*params, *buffers, *input leaves]) that shared
 # one storage at capture, e.g. a tensor passed twice, each member with its (storage
@@ -360,17 +369,18 @@ def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
 
 
 def _check_indices(args: tuple[object, ...], leaves: list[object]) -> None:
-    for leaf_index, path, low, high, allowed, what in INDEX_CHECKS:
-        problem = _index_problem(leaves[leaf_index], path, low, high, allowed)
+    for sources, steps, low, high, allowed, what in INDEX_CHECKS:
+        problem = _index_problem(leaves, sources, steps, low, high, allowed)
         if problem is not None:
             user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-            name = _leaf_name(user_inputs, leaf_index)
-            part = " (the part of it the graph indexes with)" if path else ""
+            names = " and ".join(_leaf_name(user_inputs, i) for i in sources)
+            subject = f"the index the graph computes from {names}" if steps else names
             also = "" if allowed is None else f", or {allowed}"
             _fail(
-                f"{name}{part} {problem}, outside {low} <= index < {high}{also}: pass "
-                f"indices in that range. The graph indexes with it ({what}), which "
-                "eager PyTorch refuses too (IndexError); nothing has run."
+                f"{subject} {problem}, outside {low} <= index < {high}{also}: pass "
+                f"inputs that keep it in that range. The graph indexes with it "
+                f"({what}), which eager PyTorch refuses too (IndexError); nothing "
+                "has run."
             )
 
 
@@ -417,7 +427,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 e39ba4c43f4619931a37adb0f1a4ac056f143a9a422a7db9aca3c0069e44816c)
+# 4. Runtime support: support (sha256 8cc7b8f1b4711473a29bef1e44838c73833e19c205467f29286926a2dad02a41)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

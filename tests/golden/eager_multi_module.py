@@ -534,7 +534,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 e39ba4c43f4619931a37adb0f1a4ac056f143a9a422a7db9aca3c0069e44816c)
+# 4. Runtime support: support (sha256 8cc7b8f1b4711473a29bef1e44838c73833e19c205467f29286926a2dad02a41)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

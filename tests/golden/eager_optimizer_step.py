@@ -550,7 +550,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 55d9534641d8a53f5bb207f718f18bc1626bf56f57cfaa6a68231ff12ce71631)
+# 4. Runtime support: support + optimizers (sha256 1a2da3f6860ed37a103b790927c43466a0e37f1ff1fe972848134ab3d07b7a1b)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -9,16 +9,22 @@ from torch import nn
 
 
 class TokenClassifier(nn.Module):
-    def __init__(self, width: int = 16, shift: int = 0) -> None:
+    def __init__(
+        self, width: int = 16, shift: int = 0, through_float: bool = False
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(50, width)
         self.head = nn.Linear(width, 4)
-        # With a shift, the graph computes the ids it embeds (ids + shift), which
-        # only the graph's embedding can check.
+        # With a shift, the graph computes the ids it embeds: the driver checks
+        # ids + shift; through a float, which it does not replay, only the graph's
+        # embedding checks them.
         self.shift = shift
+        self.through_float = through_float
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.shift:
+        if self.through_float:
+            ids = (ids.float() + self.shift).long()
+        elif self.shift:
             ids = ids + self.shift
         return self.head(self.emb(ids)).mean(1)
 

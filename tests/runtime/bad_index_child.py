@@ -1,8 +1,9 @@
 """A training step called with an out-of-range token id, then with good batches:
 prints what the failed call raised and left behind, and how the next steps compare
-with eager, as JSON. Run as ``python bad_index_child.py BACKEND``; a batch of 64 makes
-Inductor run its embedding kernel in parallel threads, where a kernel's own bounds
-check would abort the process."""
+with eager, as JSON. Run as ``python bad_index_child.py BACKEND SHIFT``: the model
+embeds ``ids + SHIFT``, which the graph computes. A batch of 64 makes Inductor run its
+embedding kernel in parallel threads, where a kernel's own bounds check would abort
+the process."""
 
 from __future__ import annotations
 
@@ -17,18 +18,18 @@ from helpers.token_classifier import TokenClassifier, classification_step
 import precompile_gen as pg
 
 
-def main(backend: str) -> None:
+def main(backend: str, shift: int) -> None:
     torch.manual_seed(0)
-    model = TokenClassifier()
+    model = TokenClassifier(shift=shift)
     twin = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
-    ids, y = torch.randint(0, 50, (64, 12)), torch.randint(0, 4, (64,))
+    ids, y = torch.randint(0, 50 - shift, (64, 12)), torch.randint(0, 4, (64,))
     forward = pg.load(
         *pg.precompile(classification_step, model, opt, ids, y, backend=backend)
     )
     bad = ids.clone()
-    bad[1, 3] = 50
+    bad[1, 3] = 50 - shift
     before = [p.detach().clone() for p in model.parameters()]
     try:
         forward(model, opt, bad, y)
@@ -56,4 +57,4 @@ def main(backend: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

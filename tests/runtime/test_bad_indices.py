@@ -26,10 +26,13 @@ CHILD = Path(__file__).with_name("bad_index_child.py")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_a_bad_token_id_is_refused_and_the_next_steps_match_eager(backend: str) -> None:
+def test_a_bad_token_id_is_refused_and_the_next_steps_match_eager(
+    backend: str, shift: int
+) -> None:
     run = subprocess.run(
-        [sys.executable, str(CHILD), backend],
+        [sys.executable, str(CHILD), backend, str(shift)],
         capture_output=True,
         text=True,
         env=env_with_helpers(),
@@ -39,8 +42,12 @@ def test_a_bad_token_id_is_refused_and_the_next_steps_match_eager(backend: str) 
     report = json.loads(run.stdout.splitlines()[-1])
     message = report["raised"]
     assert message is not None, "the bad call raised nothing"
-    assert message.startswith("argument 2 (`ids`) holds 50 at (1, 3)"), message
-    assert "outside 0 <= index < 50: pass indices in that range" in message
+    if shift:
+        expected = "the index the graph computes from argument 2 (`ids`) holds 50,"
+    else:
+        expected = "argument 2 (`ids`) holds 50 at (1, 3),"
+    assert message.startswith(expected), message
+    assert "outside 0 <= index < 50: pass inputs that keep it in that range" in message
     assert "embedding rows of the model's 'emb.weight'" in message
     assert report["optimizer_state"] == 0, "the failed first step left state behind"
     assert report["parameters_unchanged"]
@@ -53,10 +60,12 @@ def test_a_capture_records_the_indices_it_takes_from_its_inputs() -> None:
     # The ids are embedded without their last column, and the loss's targets are
     # the ids without their first.
     embedded, targets = eager_index_checks().index_checks
-    assert embedded.leaf == 0 and embedded.path == (("slice.Tensor", (1, 0, -1)),)
+    assert embedded.sources == (0,)
+    assert embedded.steps == (("slice.Tensor", ({"leaf": 0}, 1, 0, -1), {}),)
     assert (embedded.low, embedded.high, embedded.allowed) == (0, 10, None)
     assert embedded.what == "embedding rows of the model's '0.weight'"
-    assert targets.path == (("slice.Tensor", (1, 1, sys.maxsize)),)
+    # The flatten after the slice rearranges the values the check reads anyway.
+    assert targets.steps == (("slice.Tensor", ({"leaf": 0}, 1, 1, sys.maxsize), {}),)
     assert (targets.low, targets.high, targets.allowed) == (0, 10, -100)
 
 
@@ -69,9 +78,9 @@ def test_each_index_is_held_to_the_range_eager_allows() -> None:
     table = torch.randn(5, 3)
     rows, columns = torch.tensor([0, 3]), torch.tensor([[0, 2]])
     cap = pg.capture(_lookups, table, rows, columns, backend="eager")
-    checks = {(c.leaf, c.low, c.high) for c in cap.index_checks}
-    # rows + 1 is computed by the graph: not the driver's to check.
-    assert checks == {(1, -5, 5), (2, 0, 3)}
+    checks = {(c.sources, bool(c.steps), c.low, c.high) for c in cap.index_checks}
+    # rows, and rows + 1 which the driver computes as the graph does.
+    assert checks == {((1,), False, -5, 5), ((1,), True, -5, 5), ((2,), False, 0, 3)}
     forward = pg.load(pg.render_artifact(cap), None)
     torch.testing.assert_close(
         forward(table, torch.tensor([-5, 3]), columns),
@@ -88,6 +97,13 @@ def test_each_index_is_held_to_the_range_eager_allows() -> None:
     assert_call_rejected(
         forward,
         table,
+        torch.tensor([0, 4]),
+        columns,
+        match=["the index the graph computes from argument 1 (`rows`) holds 5,"],
+    )
+    assert_call_rejected(
+        forward,
+        table,
         rows,
         torch.tensor([[2, 3]]),
         match=["argument 2 (`columns`) holds 3 at (0, 1)", "(gather dim 1)"],
@@ -95,12 +111,30 @@ def test_each_index_is_held_to_the_range_eager_allows() -> None:
 
 
 def test_the_index_check_reads_only_what_the_graph_indexes_with() -> None:
-    path = (("slice.Tensor", (1, 1, sys.maxsize)),)
-    ids = torch.tensor([[99, 1, -100], [99, 2, 3]])
-    assert _index_problem(ids, path, 0, 10, -100) is None
-    assert _index_problem(ids, (), 0, 10, -100) == "holds 99 at (0, 0) (and 1 more)"
-    assert _index_problem(ids, path, 0, 3, None) == "holds -100 (and 1 more)"
-    assert _index_problem(torch.zeros(0, dtype=torch.long), (), 0, 1, None) is None
+    cut = (("slice.Tensor", ({"leaf": 0}, 1, 1, sys.maxsize), {}),)
+    ids: list[object] = [torch.tensor([[99, 1, -100], [99, 2, 3]])]
+    assert _index_problem(ids, (0,), cut, 0, 10, -100) is None
+    assert _index_problem(ids, (0,), (), 0, 10, -100) == (
+        "holds 99 at (0, 0) (and 1 more)"
+    )
+    assert _index_problem(ids, (0,), cut, 0, 3, None) == "holds -100 (and 1 more)"
+    empty: list[object] = [torch.zeros(0, dtype=torch.long)]
+    assert _index_problem(empty, (0,), (), 0, 1, None) is None
+
+
+def test_an_index_computed_from_two_inputs_is_replayed_as_the_graph_computes_it() -> (
+    None
+):
+    # labels.masked_fill(mask == 0, -100): the padding a mask marks is ignored.
+    steps = (
+        ("eq.Scalar", ({"leaf": 1}, 0), {}),
+        ("masked_fill.Scalar", ({"leaf": 0}, {"step": 0}, -100), {}),
+        ("_to_copy.default", ({"step": 1},), {"dtype": {"dtype": "int64"}}),
+    )
+    leaves: list[object] = [torch.tensor([7, 2]), torch.tensor([0, 1])]
+    assert _index_problem(leaves, (0, 1), steps, 0, 4, -100) is None
+    leaves[1] = torch.tensor([1, 1])
+    assert _index_problem(leaves, (0, 1), steps, 0, 4, -100) == "holds 7"
 
 
 @pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
@@ -110,7 +144,7 @@ def test_an_index_error_inside_the_graph_leaves_model_and_optimizer_as_they_were
     # The optimizer's momentum decay reads nothing of the forward: were it run
     # before the embedding, the failed call would have decayed it.
     torch.manual_seed(0)
-    model = TokenClassifier(width=8, shift=1)
+    model = TokenClassifier(width=8, shift=1, through_float=True)
     twin = copy.deepcopy(model)
 
     def make(m: nn.Module) -> torch.optim.Optimizer:

@@ -501,19 +501,21 @@ def _aten_op(name: str) -> Any:
 
 
 def _index_problem(
-    leaf: object,
-    path: tuple[Any, ...],
+    leaves: list[object],
+    sources: tuple[int, ...],
+    steps: tuple[Any, ...],
     low: int,
     high: int,
     allowed: int | None,
 ) -> str | None:
-    """How the index the graph takes from ``leaf`` (through the ops of ``path``)
-    leaves [low, high), or None if every value is in it (or ``allowed``)."""
-    if type(leaf) is not torch.Tensor:  # a DTensor's shards are indexed per rank
-        return None
-    index = leaf
-    for name, arguments in path:
-        index = _aten_op(name)(index, *arguments)
+    """How the index the graph computes from ``leaves`` (the one leaf of ``sources``
+    itself, or the last of ``steps``) leaves [low, high), or None if every value is
+    in it (or is ``allowed``)."""
+    if any(type(leaves[source]) is not torch.Tensor for source in sources):
+        return None  # a DTensor's shards are indexed per rank, by the graph
+    index = (
+        _replayed(leaves, steps) if steps else cast(torch.Tensor, leaves[sources[0]])
+    )
     if index.numel() == 0 or index.is_floating_point() or index.dtype == torch.bool:
         return None
     smallest, largest = torch.aminmax(index)
@@ -526,9 +528,31 @@ def _index_problem(
     if len(where) == 0:
         return None
     value = int(index[tuple(where[0].tolist())])
-    at = f" at {tuple(where[0].tolist())}" if not path else ""
+    at = f" at {tuple(where[0].tolist())}" if not steps else ""
     more = f" (and {len(where) - 1} more)" if len(where) > 1 else ""
     return f"holds {value}{at}{more}"
+
+
+def _replayed(leaves: list[object], steps: tuple[Any, ...]) -> torch.Tensor:
+    """The result of the graph's own ops ``steps`` on the input leaves: each refers
+    to a leaf as {"leaf": k}, to an earlier step's result as {"step": j}."""
+    results: list[Any] = []
+
+    def value(argument: Any) -> Any:
+        if type(argument) is tuple:
+            return tuple(map(value, argument))
+        if type(argument) is not dict:
+            return argument
+        if "leaf" in argument:
+            return leaves[argument["leaf"]]
+        if "step" in argument:
+            return results[argument["step"]]
+        return getattr(torch, argument["dtype"])
+
+    for name, arguments, keywords in steps:
+        keywords = {key: value(given) for key, given in keywords.items()}
+        results.append(_aten_op(name)(*map(value, arguments), **keywords))
+    return results[-1]
 
 
 # --- Inference tensors -------------------------------------------------------------
