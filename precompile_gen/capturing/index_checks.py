@@ -179,9 +179,11 @@ def index_uses(node: torch.fx.Node) -> list[IndexUse]:
 
 
 def index_checks(
-    gm: torch.fx.GraphModule, num_state: int, num_leaves: int, state_names: list[str]
+    gm: torch.fx.GraphModule, state_names: list[str], num_leaves: int
 ) -> list[IndexCheck]:
-    """The checks of every index the graph computes from user-input leaves alone."""
+    """The checks of every index the graph computes from user-input leaves alone,
+    the graph's inputs being the module state (``state_names``), then the leaves."""
+    num_state = len(state_names)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = {node: i for i, node in enumerate(placeholders)}
     # By their text: a step's keywords are a dict, which does not hash.

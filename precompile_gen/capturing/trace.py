@@ -813,12 +813,8 @@ def _record(
     flat_args = inputs.flat_args
     state = lifted.state
     # From the graph on whole tensors, which the call's leaves are.
-    checks = index_checks.index_checks(
-        gm,
-        len(state.tensors),
-        len(user.leaves),
-        state.param_names + state.buffer_names,
-    )
+    names = state.param_names + state.buffer_names
+    checks = index_checks.index_checks(gm, names, len(user.leaves))
     if local is not None:
         gm, flat_args = local.gm, local.flat_args
     return TracedGraph(
