@@ -269,6 +269,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_STRIDES",
         "USER_INPUT_SYMBOLS",
         "USER_INPUT_VALUES",
+        "INDEX_CHECKS",
         "ALIASED_INPUTS",
         "MUTATED_INPUTS",
         "DTENSORS",
