@@ -25,7 +25,7 @@ import gc
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from unittest import mock
 
 import torch
@@ -53,7 +53,7 @@ def step(
 
 
 @contextlib.contextmanager
-def rounding(on: bool) -> Iterator[None]:
+def rounding(on: bool) -> Generator[None]:
     """Captures inside compile with the option as the lowering picks it, or without."""
     if on:
         yield
