@@ -329,6 +329,10 @@ class CompiledGraph:
     # they are ``input_names`` one to one (empty where AOTAutograd merged inputs).
     rewritten_imports: list[tuple[str, str]]
     positional_names: list[str] = field(default_factory=list)
+    # Inductor only: whether it rounds each float16 and bfloat16 op's result to its
+    # dtype, as eager does, rather than once per fused kernel (its
+    # ``emulate_precision_casts``, on for graphs that compute in those dtypes).
+    emulate_precision_casts: bool = False
 
 
 @dataclass(frozen=True)

@@ -112,13 +112,15 @@ class _LoweredGraph(NamedTuple):
     kernel_sources: dict[str, str]
     rewritten_imports: list[tuple[str, str]]
     positional_names: list[str]
+    emulate_precision_casts: bool = False
 
 
 def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
     if backend == "eager":
         source, imports, branches = _eager_graph(traced.gm, traced.input_names)
         return _LoweredGraph(source, imports, branches, None, {}, [], [])
-    source, cache_artifact, kernel_sources = _inductor_graph(traced)
+    options = _inductor_options(traced)
+    source, cache_artifact, kernel_sources = _inductor_graph(traced, options)
     source, rewritten_imports = _rewrite_imports(source)
     return _LoweredGraph(
         source=source,
@@ -128,6 +130,7 @@ def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
         kernel_sources=kernel_sources,
         rewritten_imports=rewritten_imports,
         positional_names=_positional_names(source, traced),
+        emulate_precision_casts=options.get("emulate_precision_casts") is True,
     )
 
 
@@ -194,6 +197,7 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
         branches=graph.branches,
         rewritten_imports=graph.rewritten_imports,
         positional_names=graph.positional_names,
+        emulate_precision_casts=graph.emulate_precision_casts,
     )
 
 
@@ -335,14 +339,14 @@ def _rewrite_imports(graph_source: str) -> tuple[str, list[tuple[str, str]]]:
 
 
 def _inductor_graph(
-    traced: TracedGraph,
+    traced: TracedGraph, options: dict[str, object]
 ) -> tuple[str, dict[str, object], dict[str, str]]:
-    """Inductor's module for the graph, with its kernel binaries (the cache) and
-    kernel sources."""
+    """Inductor's module for the graph, compiled with ``options`` (which Inductor's
+    FX graph cache keys on), with its kernel binaries (the cache) and kernel
+    sources."""
     from torch._functorch import aot_autograd
     from torch._inductor import config as inductor_config
 
-    options = _inductor_options(traced)
     _random_fills_in_eager_layout(traced.gm)
     _scale_before_add(traced.gm)
     if _convolutions_laid_out_channels_last(traced.gm):
@@ -389,7 +393,10 @@ def _inductor_options(traced: TracedGraph) -> dict[str, object]:
         "fallback_random": True,
         "post_grad_custom_post_pass": recompute.RecomputeFarReads(),
     }
-    if _holds_complex(traced.gm):
+    dtypes = _value_dtypes(traced.gm)
+    if dtypes & _LOW_PRECISION:
+        options["emulate_precision_casts"] = True
+    if any(dtype.is_complex for dtype in dtypes):
         from torch._inductor import config as inductor_config
 
         # Added to, not replacing, the passes the user's config disables.
@@ -411,13 +418,23 @@ def _inductor_options(traced: TracedGraph) -> dict[str, object]:
 _COMPLEX_UNSAFE_PASSES = "reinplace_inplaceable_ops"
 
 
-def _holds_complex(gm: torch.fx.GraphModule) -> bool:
-    """Whether any value of the graph (input, intermediate or output) is complex."""
-    for node in gm.graph.nodes:
-        for value in pytree.tree_leaves(node.meta.get("val")):
-            if isinstance(value, torch.Tensor) and value.is_complex():
-                return True
-    return False
+# Eager rounds every float16 and bfloat16 op's result to its dtype; Inductor computes
+# a fused chain of them in float32 and rounds once, which after a few AdamW steps
+# leaves bfloat16 weights tens of units in the last place from eager's (0.02 on
+# weights near 0.1). emulate_precision_casts rounds where eager rounds, at a
+# measured cost in step time (benchmarks/low_precision.py); a graph without these
+# dtypes is left as it is (on GPUs the option also turns off fused multiply-adds).
+_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
+
+
+def _value_dtypes(gm: torch.fx.GraphModule) -> set[torch.dtype]:
+    """The dtypes of the graph's tensor values: inputs, intermediates and outputs."""
+    return {
+        value.dtype
+        for node in gm.graph.nodes
+        for value in pytree.tree_leaves(node.meta.get("val"))
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def _compile_error(error: Exception) -> PrecompileError:
