@@ -329,6 +329,11 @@ class CompiledGraph:
     # they are ``input_names`` one to one (empty where AOTAutograd merged inputs).
     rewritten_imports: list[tuple[str, str]]
     positional_names: list[str] = field(default_factory=list)
+    # Inductor only: the names of the Triton kernels ``source`` defines (GPU tensors,
+    # or CPU ones with Inductor's ``cpu_backend="triton"``), in its order. Each is
+    # compiled, or run by Triton's interpreter, from its source there: the cache
+    # carries no binary for it.
+    triton_kernels: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

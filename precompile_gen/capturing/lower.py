@@ -112,22 +112,24 @@ class _LoweredGraph(NamedTuple):
     kernel_sources: dict[str, str]
     rewritten_imports: list[tuple[str, str]]
     positional_names: list[str]
+    triton_kernels: list[str]
 
 
 def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
     if backend == "eager":
         source, imports, branches = _eager_graph(traced.gm, traced.input_names)
-        return _LoweredGraph(source, imports, branches, None, {}, [], [])
-    source, cache_artifact, kernel_sources = _inductor_graph(traced)
+        return _LoweredGraph(source, imports, branches, None, {}, [], [], [])
+    source, kernels = _inductor_graph(traced)
     source, rewritten_imports = _rewrite_imports(source)
     return _LoweredGraph(
         source=source,
         imports=[],
         branches=[],
-        cache_artifact=cache_artifact,
-        kernel_sources=kernel_sources,
+        cache_artifact=kernels.payload,
+        kernel_sources=kernels.kernel_sources,
         rewritten_imports=rewritten_imports,
         positional_names=_positional_names(source, traced),
+        triton_kernels=kernels.triton_kernels,
     )
 
 
@@ -194,6 +196,7 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
         branches=graph.branches,
         rewritten_imports=graph.rewritten_imports,
         positional_names=graph.positional_names,
+        triton_kernels=graph.triton_kernels,
     )
 
 
@@ -334,11 +337,9 @@ def _rewrite_imports(graph_source: str) -> tuple[str, list[tuple[str, str]]]:
     return inductor_imports.rewrite(graph_source, vars(extern_kernels))
 
 
-def _inductor_graph(
-    traced: TracedGraph,
-) -> tuple[str, dict[str, object], dict[str, str]]:
-    """Inductor's module for the graph, with its kernel binaries (the cache) and
-    kernel sources."""
+def _inductor_graph(traced: TracedGraph) -> tuple[str, kernel_binaries.Collected]:
+    """Inductor's module for the graph, with what the kernel scan found in it: its
+    kernel binaries (the cache), kernel sources and Triton kernels."""
     from torch._functorch import aot_autograd
     from torch._inductor import config as inductor_config
 
@@ -360,7 +361,7 @@ def _inductor_graph(
                 traced.gm, traced.flat_args, options=options
             )
             with timings.stage("cache"):
-                return graph_source, *kernel_binaries.collect(graph_source)
+                return graph_source, kernel_binaries.collect(graph_source)
     except PrecompileError:
         raise
     except Exception as error:
