@@ -433,6 +433,9 @@ def _compile_error(error: Exception) -> PrecompileError:
             "backend='eager'."
         )
     if isinstance(error, InductorError):
+        interpreted = _triton_interpreter_error(error)
+        if interpreted is not None:
+            return interpreted
         if "Unexpected output types" in str(error):
             return PrecompileError(
                 "the inductor backend cannot return a float, complex or str next to "
@@ -454,6 +457,23 @@ def _compile_error(error: Exception) -> PrecompileError:
         "decompositions (decompositions=torch._inductor.decomposition."
         "select_decomp_table()), or use backend='eager' to run the captured "
         "graph without compiling it."
+    )
+
+
+def _triton_interpreter_error(error: Exception) -> PrecompileError | None:
+    """The error for Triton kernels that Triton's interpreter failed to run while
+    Inductor tuned them, in a process not set up for it; None for any other."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    if "Failed to run autotuning code block" not in str(error):
+        return None
+    return PrecompileError(
+        "Inductor's Triton kernels failed under Triton's interpreter "
+        "(TRITON_INTERPRET=1) while it tuned them. Capture and load inside "
+        "precompile_gen.testing.triton_interpreter(), which gives the kernels the "
+        "math library (libdevice) the interpreter lacks.\n" + str(error).strip()
     )
 
 

@@ -17,6 +17,7 @@ from helpers.processes import env_with_helpers
 
 import precompile_gen as pg
 from precompile_gen import testing
+from precompile_gen.capturing import lower
 
 HERE = Path(__file__).parent
 STEPS = 2
@@ -119,3 +120,19 @@ def test_triton_imported_without_the_interpreter_is_refused_with_the_fix() -> No
 def test_libdevice_stand_in_names_what_it_lacks() -> None:
     with pytest.raises(AttributeError, match=r"libdevice\.nextafter has no stand-in"):
         _ = testing.InterpreterLibdevice().nextafter
+
+
+def test_kernels_the_interpreter_cannot_run_name_the_context_that_runs_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What Inductor raises when libdevice's math is None under the interpreter.
+    failure = RuntimeError(
+        "Failed to run autotuning code block: AttributeError(\"'NoneType' object "
+        "has no attribute 'type'\")"
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    error = lower._triton_interpreter_error(failure)
+    assert isinstance(error, pg.PrecompileError)
+    assert "precompile_gen.testing.triton_interpreter()" in str(error)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert lower._triton_interpreter_error(failure) is None
