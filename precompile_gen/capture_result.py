@@ -333,6 +333,11 @@ class CompiledGraph:
     # dtype, as eager does, rather than once per fused kernel (its
     # ``emulate_precision_casts``, on for graphs that compute in those dtypes).
     emulate_precision_casts: bool = False
+    # Inductor only: the names of the Triton kernels ``source`` defines (GPU tensors,
+    # or CPU ones with Inductor's ``cpu_backend="triton"``), in its order. Each is
+    # compiled, or run by Triton's interpreter, from its source there: the cache
+    # carries no binary for it.
+    triton_kernels: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

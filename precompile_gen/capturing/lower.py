@@ -112,24 +112,26 @@ class _LoweredGraph(NamedTuple):
     kernel_sources: dict[str, str]
     rewritten_imports: list[tuple[str, str]]
     positional_names: list[str]
+    triton_kernels: list[str]
     emulate_precision_casts: bool = False
 
 
 def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
     if backend == "eager":
         source, imports, branches = _eager_graph(traced.gm, traced.input_names)
-        return _LoweredGraph(source, imports, branches, None, {}, [], [])
+        return _LoweredGraph(source, imports, branches, None, {}, [], [], [])
     options = _inductor_options(traced)
-    source, cache_artifact, kernel_sources = _inductor_graph(traced, options)
+    source, kernels = _inductor_graph(traced, options)
     source, rewritten_imports = _rewrite_imports(source)
     return _LoweredGraph(
         source=source,
         imports=[],
         branches=[],
-        cache_artifact=cache_artifact,
-        kernel_sources=kernel_sources,
+        cache_artifact=kernels.payload,
+        kernel_sources=kernels.kernel_sources,
         rewritten_imports=rewritten_imports,
         positional_names=_positional_names(source, traced),
+        triton_kernels=kernels.triton_kernels,
         emulate_precision_casts=options.get("emulate_precision_casts") is True,
     )
 
@@ -197,6 +199,7 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
         branches=graph.branches,
         rewritten_imports=graph.rewritten_imports,
         positional_names=graph.positional_names,
+        triton_kernels=graph.triton_kernels,
         emulate_precision_casts=graph.emulate_precision_casts,
     )
 
@@ -340,10 +343,10 @@ def _rewrite_imports(graph_source: str) -> tuple[str, list[tuple[str, str]]]:
 
 def _inductor_graph(
     traced: TracedGraph, options: dict[str, object]
-) -> tuple[str, dict[str, object], dict[str, str]]:
+) -> tuple[str, kernel_binaries.Collected]:
     """Inductor's module for the graph, compiled with ``options`` (which Inductor's
-    FX graph cache keys on), with its kernel binaries (the cache) and kernel
-    sources."""
+    FX graph cache keys on), with what the kernel scan found in it: its kernel
+    binaries (the cache), kernel sources and Triton kernels."""
     from torch._functorch import aot_autograd
     from torch._inductor import config as inductor_config
 
@@ -364,7 +367,7 @@ def _inductor_graph(
                 traced.gm, traced.flat_args, options=options
             )
             with timings.stage("cache"):
-                return graph_source, *kernel_binaries.collect(graph_source)
+                return graph_source, kernel_binaries.collect(graph_source)
     except PrecompileError:
         raise
     except Exception as error:
@@ -449,6 +452,9 @@ def _compile_error(error: Exception) -> PrecompileError:
             "backend='eager'."
         )
     if isinstance(error, InductorError):
+        interpreted = _triton_interpreter_error(error)
+        if interpreted is not None:
+            return interpreted
         if "Unexpected output types" in str(error):
             return PrecompileError(
                 "the inductor backend cannot return a float, complex or str next to "
@@ -470,6 +476,23 @@ def _compile_error(error: Exception) -> PrecompileError:
         "decompositions (decompositions=torch._inductor.decomposition."
         "select_decomp_table()), or use backend='eager' to run the captured "
         "graph without compiling it."
+    )
+
+
+def _triton_interpreter_error(error: Exception) -> PrecompileError | None:
+    """The error for Triton kernels that Triton's interpreter failed to run while
+    Inductor tuned them, in a process not set up for it; None for any other."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    if "Failed to run autotuning code block" not in str(error):
+        return None
+    return PrecompileError(
+        "Inductor's Triton kernels failed under Triton's interpreter "
+        "(TRITON_INTERPRET=1) while it tuned them. Capture and load inside "
+        "precompile_gen.testing.triton_interpreter(), which gives the kernels the "
+        "math library (libdevice) the interpreter lacks.\n" + str(error).strip()
     )
 
 

@@ -417,6 +417,8 @@ class GraphFeatures:
     assert_tensor_metadata: bool
     # Inductor's compile-time auto-tuning block was dropped.
     autotuning_block: bool
+    # The Triton kernels the module defines, by name, as lowering found them.
+    triton_kernels: list[str]
     # AOTAutograd's module defines ``call`` again, over Inductor's inner one.
     redefined_call: bool
     # Per graph input: (Inductor's name for it, where it has one,) its name and what
@@ -461,6 +463,7 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
             line.endswith("= _assert_tensor_metadata") for line in bound
         ),
         autotuning_block=len(rewritten) < len(graph.rewritten_imports),
+        triton_kernels=graph.triton_kernels,
         redefined_call="\ndef call(flat_inputs):  # noqa: F811" in graph.source,
         input_rows=input_rows,
         tensor_rows=_tensor_rows(cap),

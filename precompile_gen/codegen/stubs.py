@@ -55,6 +55,7 @@ _GRAPH_STUBS: dict[Backend, str] = {
         "def _kernel() -> object:  # not called: it stands for Inductor's kernel code\n"
         "    async_compile = AsyncCompile()\n"
         '    kernel = async_compile.cpp_pybinding(["float*"], "source")\n'
+        '    async_compile.triton("triton_poi_fused_0", "source", device_str="cpu")\n'
         "    async_compile.wait(globals())\n"
         "    return kernel\n"
         "\n"
@@ -178,6 +179,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
             branches=["true_graph_0"] if eager else [],
             rewritten_imports=[] if eager else _REWRITTEN_IMPORTS,
             positional_names=[] if eager else _positional_names(len(_INPUT_NAMES)),
+            triton_kernels=[] if eager else ["triton_poi_fused_0"],
         ),
         kernel_binaries={_BINARY: "0" * 64},
         kernel_sources={"1" * 64: _BINARY},

@@ -27,7 +27,7 @@ import re
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from precompile_gen.runtime.errors import PrecompileError, describe_untrusted
 
@@ -60,9 +60,21 @@ def build_fingerprint() -> dict[str, str]:
     return {key: str(value) for key, value in fingerprint.items()}
 
 
-def collect(graph_source: str) -> tuple[dict[str, object], dict[str, str]]:
-    """The payload carrying every C++ kernel binary ``graph_source`` loads, and the
-    artifact's KERNEL_SOURCES: each kernel source's sha256 -> its binary's file key.
+class Collected(NamedTuple):
+    """What the kernel scan finds in a lowered module."""
+
+    # The cache's payload: every C++ kernel binary, and what it carries of the rest.
+    payload: dict[str, object]
+    # The artifact's KERNEL_SOURCES: each kernel source's sha256 -> its binary's key.
+    kernel_sources: dict[str, str]
+    # The names of the module's Triton kernels, which the payload carries no binary
+    # for: each compiles, or is interpreted, from its source in the artifact.
+    triton_kernels: list[str]
+
+
+def collect(graph_source: str) -> Collected:
+    """The payload carrying every C++ kernel binary ``graph_source`` loads, the
+    artifact's KERNEL_SOURCES and the module's Triton kernels.
 
     Runs right after lowering, when the kernels are compiled: the module is executed
     once more in a scratch namespace, which only loads binaries, and each kernel's
@@ -74,12 +86,18 @@ def collect(graph_source: str) -> tuple[dict[str, object], dict[str, str]]:
     root = Path(codecache.cache_dir())
     sources: dict[str, str] = {}
     files: dict[str, bytes] = {}
+    triton_kernels: list[str] = []
     kernel_source: list[str] = []
     original_pybinding, original_write = AsyncCompile.cpp_pybinding, codecache.write
+    original_triton = AsyncCompile.triton
 
     def recording_pybinding(self: Any, argtypes: list[str], source: str) -> Any:
         kernel_source[:] = [source]
         return original_pybinding(self, argtypes, source)
+
+    def recording_triton(self: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        triton_kernels.append(name)
+        return original_triton(self, name, *args, **kwargs)
 
     def recording_write(
         content: Any, extension: str, extra: str = "", *args: Any, **kwargs: Any
@@ -94,26 +112,44 @@ def collect(graph_source: str) -> tuple[dict[str, object], dict[str, str]]:
         return key, path
 
     AsyncCompile.cpp_pybinding = recording_pybinding  # type: ignore[method-assign]
+    AsyncCompile.triton = recording_triton  # type: ignore[method-assign]
     codecache.write = recording_write
     try:
         namespace: dict[str, object] = {"__name__": "precompile_gen_kernel_scan"}
         exec(compile(graph_source, "<precompile_gen:kernel-scan>", "exec"), namespace)
     finally:
         AsyncCompile.cpp_pybinding = original_pybinding  # type: ignore[method-assign]
+        AsyncCompile.triton = original_triton  # type: ignore[method-assign]
         codecache.write = original_write
     # A kernel whose binary was not written (the scan found it some other way) is
     # left to compile at load.
     files = {name: data for name, data in files.items() if data}
     sources = {digest: name for digest, name in sources.items() if name in files}
-    payload: dict[str, object] = {
+    return Collected(_payload(files, triton_kernels), sources, triton_kernels)
+
+
+def _payload(files: dict[str, bytes], triton_kernels: list[str]) -> dict[str, object]:
+    return {
         "kind": PAYLOAD_KIND,
         "build": build_fingerprint(),
         "files": files,
         "sha256": {
             name: hashlib.sha256(data).hexdigest() for name, data in files.items()
         },
+        # Said, not left to an empty manifest: the Triton kernels travel as source
+        # only, in the artifact. Under Triton's interpreter there is no binary to
+        # carry (it runs each kernel's Python source with NumPy); elsewhere each
+        # compiles, through Triton, at the first call.
+        "triton_kernels": list(triton_kernels),
+        "triton_interpreted": bool(triton_kernels) and _triton_interpreted(),
     }
-    return payload, sources
+
+
+def _triton_interpreted() -> bool:
+    """Whether Triton runs its kernels through its interpreter in this process."""
+    from triton import knobs
+
+    return knobs.runtime.interpret
 
 
 def digests(payload: dict[str, object] | None) -> dict[str, str]:

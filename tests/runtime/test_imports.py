@@ -31,6 +31,7 @@ CAPTURE_ONLY = (
     "precompile_gen.capturing",
     "precompile_gen.codegen",
     "precompile_gen.tools",
+    "precompile_gen.testing",
 )
 
 CHILD = Path(__file__).with_name("load_only_child.py")

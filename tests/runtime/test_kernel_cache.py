@@ -103,6 +103,9 @@ def test_payload_carries_each_kernel_binary_with_its_digest(pair: Pair) -> None:
         assert data[:4] == b"\x7fELF"
     assert set(digests) == set(files)
     assert payload["build"] == kernel_binaries.build_fingerprint()
+    # C++ kernels only: the payload says there is no Triton kernel it leaves out.
+    assert payload["triton_kernels"] == []
+    assert payload["triton_interpreted"] is False
     # The artifact says which binary is each kernel's, by its source's digest.
     sources = pg.parse_metadata(pair.code)["KERNEL_SOURCES"]
     assert isinstance(sources, dict)

@@ -1,0 +1,138 @@
+"""Inductor's Triton kernels, for CPU tensors, run by Triton's interpreter
+(``precompile_gen.testing.triton_interpreter``): an artifact whose section 1 holds
+@triton.jit kernels, loaded in a fresh process and run against eager.
+
+Capture runs in a process of its own as well: Triton must be imported with
+``TRITON_INTERPRET=1`` already set, and this one imported it long before."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.processes import env_with_helpers
+
+import precompile_gen as pg
+from precompile_gen import testing
+from precompile_gen.capturing import lower
+
+HERE = Path(__file__).parent
+STEPS = 2
+
+
+def _run(script: str, *arguments: str, cache_dir: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, str(HERE / script), *arguments],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env_with_helpers(TORCHINDUCTOR_CACHE_DIR=str(cache_dir)),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def _captured(program: str, folder: Path) -> Path:
+    # Each process gets an empty kernel folder: the loading one compiles nothing it
+    # could have found from the capture.
+    _run("triton_capture_child.py", program, str(folder), cache_dir=folder / "capture")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def inference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _captured("inference", tmp_path_factory.mktemp("triton_inference"))
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _captured("training", tmp_path_factory.mktemp("triton_training"))
+
+
+def _loaded(program: str, folder: Path) -> dict[str, object]:
+    out = _run(
+        "triton_load_child.py",
+        program,
+        str(folder),
+        str(STEPS),
+        cache_dir=folder / "load",
+    )
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("program", ["inference", "training"])
+def test_section_1_holds_the_triton_kernels_as_source(
+    program: str, request: pytest.FixtureRequest
+) -> None:
+    folder: Path = request.getfixturevalue(program)
+    code = (folder / "code.py").read_text(encoding="utf-8")
+    assert pg.parse_metadata(code)["BACKEND"] == "inductor"
+    assert "@triton.jit" in code
+    assert "Original ATen: [aten.native_layer_norm" in code
+    # The graph section names every Triton kernel the module defines, as lowering
+    # recorded them, and no C++ kernel is left.
+    defined = [
+        line.split(" = async_compile.triton(")[0]
+        for line in code.splitlines()
+        if " = async_compile.triton(" in line
+    ]
+    assert defined
+    for name in defined:
+        assert f"#   {name}\n" in code
+        assert f"def {name}(" in code
+    assert "async_compile.cpp_pybinding(" not in code
+
+
+@pytest.mark.parametrize("program", ["inference", "training"])
+def test_a_fresh_process_runs_the_artifact_as_eager_does(
+    program: str, request: pytest.FixtureRequest
+) -> None:
+    folder: Path = request.getfixturevalue(program)
+    report = _loaded(program, folder)
+    outputs = report["outputs"]
+    assert isinstance(outputs, list) and len(outputs) == STEPS
+    # The cache says it carries no Triton binary, rather than an empty manifest.
+    assert report["triton_interpreted"] is True
+    assert report["triton_kernels"]
+    assert report["files"] == 0
+    if program == "training":
+        # The second step's loss is the updated model's, not a replay of the first.
+        assert outputs[1] < outputs[0]
+
+
+def test_triton_imported_without_the_interpreter_is_refused_with_the_fix() -> None:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(tl.sum, InterpretedFunction):
+        pytest.skip("this process imported Triton with TRITON_INTERPRET=1")
+    refused = pytest.raises(
+        pg.PrecompileError, match="Set TRITON_INTERPRET=1 in the env"
+    )
+    with refused, testing.triton_interpreter():
+        pass
+
+
+def test_libdevice_stand_in_names_what_it_lacks() -> None:
+    with pytest.raises(AttributeError, match=r"libdevice\.nextafter has no stand-in"):
+        _ = testing.InterpreterLibdevice().nextafter
+
+
+def test_kernels_the_interpreter_cannot_run_name_the_context_that_runs_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What Inductor raises when libdevice's math is None under the interpreter.
+    failure = RuntimeError(
+        "Failed to run autotuning code block: AttributeError(\"'NoneType' object "
+        "has no attribute 'type'\")"
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    error = lower._triton_interpreter_error(failure)
+    assert isinstance(error, pg.PrecompileError)
+    assert "precompile_gen.testing.triton_interpreter()" in str(error)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert lower._triton_interpreter_error(failure) is None

@@ -1,0 +1,65 @@
+"""Loads the pair DIR/code.py, DIR/cache.bin of one of ``helpers.triton_programs`` in
+a fresh process, runs it STEPS times under Triton's interpreter next to eager on an
+equal model, checks outputs, gradients and parameters (and, for a training step,
+the optimizer's state) against eager's, and prints one JSON line: the outputs, and
+whether the cache said its Triton kernels were interpreted.
+
+    python triton_load_child.py PROGRAM DIR STEPS
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+from helpers.triton_programs import PROGRAMS
+from torch import nn
+
+import precompile_gen as pg
+from precompile_gen.testing import triton_interpreter
+
+
+def main(program: str, folder: Path, steps: int) -> None:
+    fn, arguments = PROGRAMS[program]
+    cache = (folder / "cache.bin").read_bytes()
+    compiled, reference = arguments(), arguments()
+    outputs = []
+    with triton_interpreter():
+        forward = pg.load((folder / "code.py").read_text(encoding="utf-8"), cache)
+        for _ in range(steps):
+            got, want = forward(*compiled), fn(*reference)
+            torch.testing.assert_close(got, want)
+            assert isinstance(got, torch.Tensor)
+            outputs.append(got.tolist())
+    _check_state(compiled, reference)
+    envelope = torch.load(io.BytesIO(cache), weights_only=True)
+    payload = envelope["artifact"]
+    report = {
+        "outputs": outputs,
+        "triton_kernels": payload["triton_kernels"],
+        "triton_interpreted": payload["triton_interpreted"],
+        "files": len(payload["files"]),
+    }
+    print(json.dumps(report))
+
+
+def _check_state(compiled: tuple[object, ...], reference: tuple[object, ...]) -> None:
+    model, want = compiled[0], reference[0]
+    assert isinstance(model, nn.Module) and isinstance(want, nn.Module)
+    for got, expected in zip(model.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got.grad, expected.grad)
+    if isinstance(compiled[1], torch.optim.Optimizer):
+        assert isinstance(reference[1], torch.optim.Optimizer)
+        got_state = compiled[1].state_dict()["state"]
+        torch.testing.assert_close(got_state, reference[1].state_dict()["state"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))
