@@ -12,6 +12,8 @@ import logging
 import os
 from collections.abc import Callable
 
+import torch
+
 from precompile_gen.capture_result import BACKENDS, METADATA_NAMES, OPTIONAL_METADATA
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import built_here, check_key, code_hash, read_cache
@@ -154,6 +156,7 @@ def load(
     if filename is None:
         _reject_a_path(text)
     metadata = parse_metadata(text)
+    _check_cuda_here(metadata)
     backend = str(metadata["BACKEND"])
     if cache is None:
         if key is not None:
@@ -182,6 +185,29 @@ def load(
     # state, as lowering does; the two take turns.
     with kernel_binaries.TORCH_STATE_LOCK:
         return _execute(text, filename, signed=signed, binaries=binaries or {})
+
+
+def _check_cuda_here(metadata: dict[str, object]) -> None:
+    """Refuse, before anything executes, an artifact captured on CUDA where this
+    process has no CUDA device: its first call could only fail, and an inductor
+    artifact's kernels, built at load, would fail first with a raw Triton error."""
+    devices = [
+        device
+        for name in ("PARAM_DEVICES", "BUFFER_DEVICES", "USER_INPUT_DEVICES")
+        for device in _listed(metadata[name])
+        if isinstance(device, str) and device.startswith("cuda")
+    ]
+    if not devices or torch.cuda.is_available():
+        return
+    raise PrecompileError(
+        f"python_code was captured for CUDA (its tensors were on {devices[0]!r}), "
+        "but this machine has no CUDA device (torch.cuda.is_available() is False). "
+        "Load it on a machine with a GPU, or capture again on CPU."
+    )
+
+
+def _listed(value: object) -> list[object]:
+    return list(value) if isinstance(value, list) else []
 
 
 def _reject_a_path(text: str) -> None:

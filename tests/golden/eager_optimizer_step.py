@@ -550,7 +550,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 1a2da3f6860ed37a103b790927c43466a0e37f1ff1fe972848134ab3d07b7a1b)
+# 4. Runtime support: support + optimizers (sha256 2a89d0037e1c09d07c7b8363aac63ab40c4b27d2dc6402ba8167a28042fa6f4f)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -119,12 +119,27 @@ def _tensor_leaf_problem(
             f"{dtype}. Convert it with .to({dtype}), or capture again with this dtype."
         )
     if str(leaf.device) != device:
-        return (
+        return _no_cuda_problem(name, str(leaf.device), device) or (
             f"{name} is on device {str(leaf.device)!r}, but the artifact was captured "
             f"on {device!r}. Move it with .to({device!r}), or capture again on this "
             "device."
         )
     return _lazy_bit_problem(name, leaf)
+
+
+def _no_cuda_problem(name: str, got: str, want: str | None) -> str | None:
+    """The message for a tensor off the CUDA device it was captured on, where this
+    process has no CUDA device to move it to; None where it has one."""
+    # Asked only once a device differs: the checks of a matching call never pay it.
+    if want is None or not want.startswith("cuda") or got.startswith("cuda"):
+        return None
+    if torch.cuda.is_available():
+        return None
+    return (
+        f"{name} is on device {got!r}, but the artifact was captured for CUDA, on "
+        f"{want!r}, and this machine has no CUDA device (torch.cuda.is_available() "
+        "is False). Run it on a machine with a GPU, or capture again on CPU."
+    )
 
 
 def _lazy_bit_problem(name: str, leaf: torch.Tensor) -> str | None:
@@ -244,7 +259,9 @@ def _state_tensor_problem(
             "again with this dtype."
         )
     if str(tensor.device) != device:
-        return (
+        return _no_cuda_problem(
+            f"the model's {name!r}", str(tensor.device), device
+        ) or (
             f"the model's {name!r} is on device {str(tensor.device)!r}, but the "
             f"traced model's was on {device!r}. Move the model with "
             f".to({device!r}), or capture again on this device."
