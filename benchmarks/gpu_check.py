@@ -1,0 +1,383 @@
+"""The inductor backend on CUDA tensors, checked against eager, in one prepared run.
+
+    python benchmarks/gpu_check.py
+
+With a CUDA device, on CUDA tensors, each compared with eager:
+
+- an MLP with LayerNorm and GELU, inference;
+- a training step with AdamW inside, three steps (losses and parameters);
+- dropout in training mode, under the same ``torch.manual_seed``;
+- a batch dim marked with ``mark_unbacked``, called at other batch sizes;
+- a fresh process loading the training step's pair with an empty
+  ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``: what it compiled (the kernel
+  sources Inductor wrote, the kernels Triton built) and its load plus first call,
+  next to a fresh process loading the code without the cache;
+- resnet18 (torchvision, random weights) and GPT-2 small (transformers'
+  ``GPT2Config()``, random weights), each a whole training step with AdamW inside,
+  against ``torch.compile`` of the same step: median step time and
+  ``torch.cuda.max_memory_allocated`` over one step.
+
+Without one, the first line says so, and the four cases run on CPU tensors with
+Inductor's Triton kernels executed by Triton's interpreter
+(``precompile_gen.testing.triton_interpreter``), in a child process that has
+``TRITON_INTERPRET=1`` set before torch is imported. No line it prints then is a
+GPU result.
+
+What has run where: the interpreter path has run, on a machine without a GPU. The
+CUDA path has not yet run on a GPU; no number in the documentation comes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.decorators import mark_unbacked
+
+import precompile_gen as pg
+
+STEPS = 3
+ROUNDS = 10
+
+
+def mlp(width: int, device: str) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(width, 2 * width), nn.LayerNorm(2 * width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(2 * width, width)).to(device)
+
+
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def adamw_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _randn(*shape: int, device: str, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _compiled(fn: Callable[..., object], *example: object) -> Callable[..., object]:
+    code, cache = pg.precompile(fn, *example, backend="inductor")
+    # Both paths are meant to run Triton kernels; C++ kernels would check nothing.
+    if "@triton.jit" not in code:
+        raise RuntimeError("the artifact holds no Triton kernel")
+    return pg.load(code, cache)
+
+
+# --- The cases, on any device: each raises if the artifact differs from eager ---------
+
+
+def check_inference(device: str, width: int) -> str:
+    model, x = mlp(width, device), _randn(16, width, device=device)
+    forward = _compiled(predict, model, x)
+    torch.testing.assert_close(forward(model, x), model(x))
+    return "output matches eager"
+
+
+def check_training(device: str, width: int) -> str:
+    def arguments() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(width, device)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    x, y = _randn(16, width, device=device), _randn(16, width, device=device, seed=2)
+    forward = _compiled(adamw_step, *arguments(), x, y)
+    compiled, reference = arguments(), arguments()
+    for _ in range(STEPS):
+        torch.testing.assert_close(
+            forward(*compiled, x, y), adamw_step(*reference, x, y)
+        )
+    for got, want in zip(
+        compiled[0].parameters(), reference[0].parameters(), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+    return f"{STEPS} steps: losses and parameters match eager"
+
+
+def check_dropout(device: str, width: int) -> str:
+    model = nn.Sequential(mlp(width, device), nn.Dropout(0.5)).train()
+    x = _randn(16, width, device=device)
+    forward = _compiled(predict, model, x)
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        got = forward(model, x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, model(x))
+    return "two seeds: the same draws as eager"
+
+
+def check_unbacked_batch(device: str, width: int) -> str:
+    model, x = mlp(width, device), _randn(8, width, device=device)
+    mark_unbacked(x, 0, min=1, max=64)
+    forward = _compiled(predict, model, x)
+    sizes = (3, 17, 64)
+    for rows in sizes:
+        other = _randn(rows, width, device=device, seed=rows)
+        torch.testing.assert_close(forward(model, other), model(other))
+    return f"batch sizes {sizes}: outputs match eager"
+
+
+CASES: dict[str, Callable[[str, int], str]] = {
+    "MLP, LayerNorm + GELU, inference": check_inference,
+    "training step, AdamW inside": check_training,
+    "dropout under a seed": check_dropout,
+    "mark_unbacked batch dim": check_unbacked_batch,
+}
+
+
+def run_cases(device: str, width: int) -> bool:
+    passed = True
+    for label, check in CASES.items():
+        start = time.perf_counter()
+        try:
+            result = "ok: " + check(device, width)
+        except Exception as error:  # a failing case is reported, the others still run
+            passed = False
+            result = f"FAILED: {type(error).__name__}: {str(error)[:300]}"
+        seconds = time.perf_counter() - start
+        print(f"  {label:<34} {seconds:6.1f} s  {result}", flush=True)
+    return passed
+
+
+# --- A fresh process loading the pair (CUDA only) -------------------------------------
+
+
+def write_training_pair(folder: Path, width: int) -> None:
+    model = mlp(width, "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = _randn(16, width, device="cuda"), _randn(16, width, device="cuda", seed=2)
+    code, cache = pg.precompile(adamw_step, model, opt, x, y, backend="inductor")
+    (folder / "code.py").write_text(code, encoding="utf-8")
+    (folder / "cache.bin").write_bytes(cache)
+
+
+def load_child(folder: Path, with_cache: bool, width: int) -> None:
+    """Loads the pair (or the code alone) and calls it once; prints one JSON line."""
+    start = time.perf_counter()
+    cache = (folder / "cache.bin").read_bytes() if with_cache else None
+    forward = pg.load((folder / "code.py").read_text(encoding="utf-8"), cache)
+    model = mlp(width, "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = _randn(16, width, device="cuda"), _randn(16, width, device="cuda", seed=2)
+    forward(model, opt, x, y)
+    torch.cuda.synchronize()
+    print(json.dumps({"seconds": time.perf_counter() - start}))
+
+
+def fresh_load(folder: Path, with_cache: bool, width: int) -> dict[str, float]:
+    kernels = Path(tempfile.mkdtemp(dir=folder))
+    environment = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(kernels / "inductor"),
+        "TRITON_CACHE_DIR": str(kernels / "triton"),
+    }
+    mode = "with-cache" if with_cache else "without-cache"
+    command = [sys.executable, __file__, "--load-child", str(folder), mode]
+    command += ["--width", str(width)]
+    done = subprocess.run(
+        command, env=environment, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the fresh load failed:\n{done.stderr[-3000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # What was compiled: the kernel sources Inductor wrote, the kernels Triton built.
+    report["cpp sources"] = len(list(kernels.rglob("*.cpp")))
+    report["triton kernels"] = len(list(kernels.rglob("*.cubin")))
+    return report
+
+
+def report_fresh_loads(width: int) -> None:
+    with tempfile.TemporaryDirectory() as name:
+        folder = Path(name)
+        write_training_pair(folder, width)
+        for with_cache in (True, False):
+            report = fresh_load(folder, with_cache, width)
+            label = "load + first call, " + ("with" if with_cache else "without")
+            compiled = report["cpp sources"] + report["triton kernels"]
+            print(
+                f"  {label + ' the cache':<40} {report['seconds']:6.2f} s  compiled "
+                f"{report['triton kernels']:.0f} Triton kernels, "
+                f"{report['cpp sources']:.0f} C++ sources",
+                flush=True,
+            )
+            if with_cache:
+                verdict = "compiled nothing" if compiled == 0 else "COMPILED KERNELS"
+                print(f"  fresh load with the cache: {verdict}", flush=True)
+
+
+# --- Whole training steps against torch.compile (CUDA only) --------------------------
+
+
+def classify_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def language_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def resnet18_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    images = torch.randn(32, 3, 224, 224)
+    return resnet18(), images, torch.randint(0, 1000, (32,))
+
+
+def gpt2_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    # Without a cache the output holds no DynamicCache, which an artifact cannot
+    # return; the computation is the same.
+    config = GPT2Config(use_cache=False)
+    tokens = torch.randint(0, config.vocab_size, (8, 513))
+    return GPT2LMHeadModel(config), tokens[:, :-1], tokens[:, 1:]
+
+
+Build = Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]]
+MODELS: dict[str, tuple[Build, Callable[..., torch.Tensor]]] = {
+    "resnet18, batch 32x3x224x224": (resnet18_batch, classify_step),
+    "GPT-2 small, batch 8x512": (gpt2_batch, language_step),
+}
+
+
+def measure(
+    system: str, build: Build, step: Callable[..., torch.Tensor]
+) -> tuple[float, float]:
+    """The median step time (s) and the peak of torch.cuda.max_memory_allocated over
+    one step (GiB), model and optimizer state included, for one system."""
+    model, x, y = build()
+    model, x, y = model.cuda().train(), x.cuda(), y.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if system == "torch.compile":
+        run: Callable[..., object] = torch.compile(step)
+    else:
+        run = _compiled(step, model, opt, x, y)
+    for _ in range(STEPS):  # torch.compile compiles here
+        run(model, opt, x, y)
+    times = []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run(model, opt, x, y)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    torch.cuda.reset_peak_memory_stats()
+    run(model, opt, x, y)
+    torch.cuda.synchronize()
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def report_models() -> None:
+    systems = ("torch.compile", "precompile_gen")
+    for label, (build, step) in MODELS.items():
+        results = {}
+        for system in systems:
+            try:
+                results[system] = measure(system, build, step)
+            except Exception as error:  # reported, and the next system still runs
+                print(f"  {label}: {system} FAILED: {type(error).__name__}: {error}")
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+        cells = [
+            f"{system} {seconds * 1e3:7.1f} ms {gib:6.2f} GiB"
+            for system, (seconds, gib) in results.items()
+        ]
+        print(f"  {label:<30} " + " | ".join(cells), flush=True)
+
+
+# --- The run ----------------------------------------------------------------------
+
+
+def on_gpu() -> None:
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("\ncases on CUDA tensors, inductor backend, against eager:")
+    run_cases("cuda", width=256)
+    print("\na fresh process loading the training step (empty kernel folders):")
+    report_fresh_loads(width=256)
+    print("\nwhole training steps, AdamW inside (median step, peak allocated):")
+    report_models()
+
+
+def without_gpu() -> None:
+    print(
+        "NO GPU: torch.cuda.is_available() is False, so nothing ran on a GPU and no "
+        "line below is a GPU result."
+    )
+    print(
+        "Instead: the cases on CPU tensors, Inductor's Triton kernels run by "
+        "Triton's interpreter (NumPy), in a child process with TRITON_INTERPRET=1."
+    )
+    print("Not run (they need a GPU): the fresh-process load, resnet18 and GPT-2.\n")
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, __file__, "--interpreted"]
+    done = subprocess.run(command, env=environment, check=False)
+    if done.returncode != 0:
+        sys.exit(done.returncode)
+
+
+def interpreted() -> None:
+    from precompile_gen.testing import triton_interpreter
+
+    # The interpreter computes masked-off lanes too (sqrt of garbage): not a result.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
+    print("cases on CPU tensors, Triton interpreter, against eager:", flush=True)
+    with triton_interpreter():
+        passed = run_cases("cpu", width=8)
+    sys.exit(0 if passed else 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interpreted", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--load-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, default=256, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    # load() warns before executing unsigned code; this script made the code itself.
+    logging.getLogger("precompile_gen").setLevel(logging.ERROR)
+    if args.load_child:
+        folder, mode = args.load_child
+        load_child(Path(folder), mode == "with-cache", args.width)
+    elif args.interpreted:
+        interpreted()
+    elif torch.cuda.is_available():
+        on_gpu()
+    else:
+        without_gpu()
+
+
+if __name__ == "__main__":
+    main()
