@@ -9,9 +9,13 @@ The files, in order, since each is made from the one before:
    goldens splice (tests/fixtures/regenerate_inductor_graph.py). It is Inductor's
    output on this machine's vector instruction set, so it is made and checked only
    where Inductor picks the width it was made for, and skipped elsewhere with a note.
-2. tests/golden/*.py: the goldens, by ``GOLDEN_COMMAND``; checked by running
+2. tests/fixtures/inductor_triton_mlp_graph.txt: the canned Inductor module with
+   Triton kernels (tests/fixtures/regenerate_inductor_triton_graph.py), made under
+   Triton's interpreter in a child process, with what depends on the machine
+   replaced: made and checked everywhere.
+3. tests/golden/*.py: the goldens, by ``GOLDEN_COMMAND``; checked by running
    tests/codegen/test_golden.py without the flag.
-3. docs/gallery.md: excerpts of the goldens (tools/gallery.py).
+4. docs/gallery.md: excerpts of the goldens (tools/gallery.py).
 
 Everything runs on this checkout's code, whatever copy of precompile_gen is
 installed.
@@ -36,6 +40,9 @@ GOLDEN_COMMAND = [
     "--update-goldens",
 ]
 FIXTURE_SCRIPT = ROOT / "tests" / "fixtures" / "regenerate_inductor_graph.py"
+TRITON_FIXTURE_SCRIPT = (
+    ROOT / "tests" / "fixtures" / "regenerate_inductor_triton_graph.py"
+)
 
 
 def _module(path: Path) -> types.ModuleType:
@@ -61,15 +68,25 @@ def inductor_graph(check: bool) -> str | None:
             f"{bits} bits here, and it was made for {fixtures.VECTOR_BITS}"
         )
         return None
-    wanted = fixtures.canned_graph()
-    current = fixtures.FIXTURE.read_text(encoding="utf-8")
-    name = fixtures.FIXTURE.relative_to(ROOT)
+    return _fixture(fixtures.FIXTURE, fixtures.canned_graph(), check)
+
+
+def inductor_triton_graph(check: bool) -> str | None:
+    """Regenerate (or check) the canned Inductor module with Triton kernels."""
+    fixtures = _module(TRITON_FIXTURE_SCRIPT)
+    return _fixture(fixtures.FIXTURE, fixtures.canned_graph(), check)
+
+
+def _fixture(path: Path, wanted: str, check: bool) -> str | None:
+    """Write (or compare) one canned module; what is wrong, or None."""
+    current = path.read_text(encoding="utf-8") if path.exists() else None
+    name = path.relative_to(ROOT)
     if wanted == current:
         print(f"{name} is up to date")
         return None
     if check:
         return f"{name} differs from what Inductor makes of its MLP here"
-    fixtures.FIXTURE.write_text(wanted, encoding="utf-8")
+    path.write_text(wanted, encoding="utf-8")
     print(f"updated {name}")
     return None
 
@@ -115,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     stale = [
         problem
-        for step in (inductor_graph, goldens, gallery)
+        for step in (inductor_graph, inductor_triton_graph, goldens, gallery)
         if (problem := step(args.check)) is not None
     ]
     for problem in stale:

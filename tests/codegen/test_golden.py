@@ -9,9 +9,10 @@ text. Regenerate after an intended change with
     python -m pytest tests/codegen/test_golden.py --update-goldens
 
 Eager goldens come from live captures (fx's code does not depend on the machine). The
-inductor golden renders a hand-built ``CaptureResult`` around a canned Inductor module
-(tests/fixtures/inductor_mlp_graph.txt), because live Inductor output differs by CPU
-ISA; no tracing happens for it.
+inductor goldens render a hand-built ``CaptureResult`` around a canned Inductor module
+(tests/fixtures/inductor_mlp_graph.txt, or inductor_triton_mlp_graph.txt for Triton
+kernels), because live Inductor output differs by machine; no tracing happens for
+them.
 """
 
 from __future__ import annotations
@@ -337,6 +338,7 @@ FEATURE_CODE = {
         ("eager_literals_aliasing", {"aliasing"}),
         ("inductor_inference", {"layouts"}),
         ("inductor_dynamic_dims", {"layouts", "dynamic dims", "shared sizes"}),
+        ("inductor_triton_inference", {"layouts"}),
     ],
 )
 def test_each_driver_carries_exactly_its_features_code(

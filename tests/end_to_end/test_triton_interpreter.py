@@ -53,6 +53,16 @@ def training(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _captured("training", tmp_path_factory.mktemp("triton_training"))
 
 
+@pytest.fixture(scope="module")
+def dropout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _captured("dropout", tmp_path_factory.mktemp("triton_dropout"))
+
+
+@pytest.fixture(scope="module")
+def unbacked(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _captured("unbacked", tmp_path_factory.mktemp("triton_unbacked"))
+
+
 def _loaded(program: str, folder: Path) -> dict[str, object]:
     out = _run(
         "triton_load_child.py",
@@ -102,6 +112,31 @@ def test_a_fresh_process_runs_the_artifact_as_eager_does(
     if program == "training":
         # The second step's loss is the updated model's, not a replay of the first.
         assert outputs[1] < outputs[0]
+
+
+def test_dropout_draws_the_mask_eager_draws_under_the_same_seed(
+    dropout: Path,
+) -> None:
+    code = (dropout / "code.py").read_text(encoding="utf-8")
+    # The mask is drawn by eager's own op (fallback_random), into a buffer a Triton
+    # kernel allocated; the kernels only scale and mask around it.
+    assert "torch.ops.aten.bernoulli_.float(" in code
+    # The child checks each call against eager under seeds 0 and 1; the two calls
+    # differing shows each drew a fresh mask.
+    outputs = _loaded("dropout", dropout)["outputs"]
+    assert isinstance(outputs, list)
+    assert outputs[0] != outputs[1]
+
+
+def test_an_unbacked_batch_dim_runs_at_batches_other_than_the_captured_one(
+    unbacked: Path,
+) -> None:
+    code = (unbacked / "code.py").read_text(encoding="utf-8")
+    assert 'Tensor "f32[u0, 8]' in code
+    # Captured at batch 4; the child calls it at 3 and 7, each against eager.
+    outputs = _loaded("unbacked", unbacked)["outputs"]
+    assert isinstance(outputs, list)
+    assert [len(rows) for rows in outputs] == [3, 7]
 
 
 def test_triton_imported_without_the_interpreter_is_refused_with_the_fix() -> None:

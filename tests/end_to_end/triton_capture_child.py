@@ -20,9 +20,9 @@ from precompile_gen.testing import triton_interpreter
 
 
 def main(program: str, folder: Path) -> None:
-    fn, arguments = PROGRAMS[program]
+    chosen = PROGRAMS[program]
     with triton_interpreter():
-        code, cache = pg.precompile(fn, *arguments(), backend="inductor")
+        code, cache = pg.precompile(chosen.fn, *chosen.arguments(), backend="inductor")
     (folder / "code.py").write_text(code, encoding="utf-8")
     (folder / "cache.bin").write_bytes(cache)
 

@@ -1,8 +1,9 @@
 """Loads the pair DIR/code.py, DIR/cache.bin of one of ``helpers.triton_programs`` in
-a fresh process, runs it STEPS times under Triton's interpreter next to eager on an
-equal model, checks outputs, gradients and parameters (and, for a training step,
-the optimizer's state) against eager's, and prints one JSON line: the outputs, and
-whether the cache said its Triton kernels were interpreted.
+a fresh process, runs it STEPS times (or once per batch of its ``call_batches``)
+under Triton's interpreter next to eager on an equal model, each call and eager's
+under the same ``torch.manual_seed``; checks outputs, gradients and parameters (and,
+for a training step, the optimizer's state) against eager's, and prints one JSON
+line: the outputs, and whether the cache said its Triton kernels were interpreted.
 
     python triton_load_child.py PROGRAM DIR STEPS
 """
@@ -18,22 +19,31 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-from helpers.triton_programs import PROGRAMS
+from helpers.triton_programs import PROGRAMS, at_batch
 from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.testing import triton_interpreter
 
 
-def main(program: str, folder: Path, steps: int) -> None:
-    fn, arguments = PROGRAMS[program]
+def main(name: str, folder: Path, steps: int) -> None:
+    program = PROGRAMS[name]
     cache = (folder / "cache.bin").read_bytes()
-    compiled, reference = arguments(), arguments()
+    compiled, reference = program.arguments(), program.arguments()
+    batches = program.call_batches or (None,) * steps
     outputs = []
     with triton_interpreter():
         forward = pg.load((folder / "code.py").read_text(encoding="utf-8"), cache)
-        for _ in range(steps):
-            got, want = forward(*compiled), fn(*reference)
+        for step, batch in enumerate(batches):
+            if batch is not None:
+                compiled = at_batch(compiled, batch)
+                reference = at_batch(reference, batch)
+            # A seed per call: a random op (dropout) draws afresh at each, as
+            # eager's does under the same seed.
+            torch.manual_seed(step)
+            got = forward(*compiled)
+            torch.manual_seed(step)
+            want = program.fn(*reference)
             torch.testing.assert_close(got, want)
             assert isinstance(got, torch.Tensor)
             outputs.append(got.tolist())

@@ -3,7 +3,7 @@
 A golden holds its runtime support's title in place of the support's text, which is
 pinned once per part (tests/golden/runtime/<part>.py); ``full_artifact`` puts it
 back. The eager cases capture live; the inductor ones render a hand-built
-``CaptureResult`` around the canned Inductor module in tests/fixtures/.
+``CaptureResult`` around a canned Inductor module in tests/fixtures/.
 """
 
 from __future__ import annotations
@@ -123,25 +123,50 @@ def eager_multi_module() -> pg.CaptureResult:
     return pg.capture(two_towers, encoder, batch, head, backend="eager")
 
 
+Shape = tuple[int, ...]
+# A parameter: its name, shape and stride.
+Weight = tuple[str, Shape, Shape]
 _LEAF = '{"type": null, "context": null, "children_spec": []}'
 
 
 def inductor_inference() -> pg.CaptureResult:
     """``predict`` on the MLP, as the inductor backend captures it (written out by
     hand; the graph is the canned module, its imports rewritten as lowering does)."""
-    source, rewritten_imports = inductor_imports.rewrite(
-        (FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8"),
-        {"addmm": torch.addmm},
-    )
-    weights = [("0.weight", (8, 4), (4, 1)), ("0.bias", (8,), (1,))]
+    weights: list[Weight] = [("0.weight", (8, 4), (4, 1)), ("0.bias", (8,), (1,))]
     weights += [("2.weight", (2, 8), (8, 1)), ("2.bias", (2,), (1,))]
+    # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
+    return _canned_inductor("inductor_mlp_graph.txt", weights, modules=4)
+
+
+def inductor_triton_inference() -> pg.CaptureResult:
+    """``predict`` on an MLP with LayerNorm and GELU, as the inductor backend
+    captures it with Triton kernels (a GPU's tensors, or CPU ones under
+    ``precompile_gen.testing.triton_interpreter``), around its canned module."""
+    weights: list[Weight] = [("0.weight", (8, 4), (4, 1)), ("0.bias", (8,), (1,))]
+    weights += [("1.weight", (8,), (1,)), ("1.bias", (8,), (1,))]
+    weights += [("3.weight", (2, 8), (8, 1)), ("3.bias", (2,), (1,))]
+    # Sequential, Linear, LayerNorm, GELU, Linear in training mode.
+    return _canned_inductor("inductor_triton_mlp_graph.txt", weights, modules=5)
+
+
+# How Inductor's module defines a Triton kernel, which lowering records by name.
+_TRITON_KERNEL = re.compile(r"^(\w+) = async_compile\.triton\(", re.MULTILINE)
+
+
+def _canned_inductor(
+    fixture: str, weights: list[Weight], modules: int
+) -> pg.CaptureResult:
+    """A capture of ``predict`` on a model with these weights, called on a (3, 4)
+    input, around the canned Inductor module ``fixture``."""
+    canned = (FIXTURE_DIR / fixture).read_text("utf-8")
+    source, rewritten_imports = inductor_imports.rewrite(canned, {"addmm": torch.addmm})
+    input_names = [f"p_{name.replace('.', '_')}" for name, _, _ in weights] + ["x"]
     return pg.CaptureResult(
         backend="inductor",
         fn_name="predict",
         num_positional_args=2,
         argument_names=["model", "x"],
-        # _mlp() as constructed: Sequential, Linear, ReLU, Linear in training mode.
-        modules=[ModuleArgument(position=0, training=[True] * 4, hooks={})],
+        modules=[ModuleArgument(position=0, training=[True] * modules, hooks={})],
         global_module_hooks={},
         python_values=[],
         optimizers=[],
@@ -160,31 +185,34 @@ def inductor_inference() -> pg.CaptureResult:
         in_structure="(*,)",
         out_structure="*",
         scalar_outputs=[],
-        leaves=[
-            InputLeaf(
-                shape=(3, 4),
-                dtype="torch.float32",
-                device="cpu",
-                bounds=None,
-                symbols=None,
-                stride=(4, 1),
-                value=None,
-            )
-        ],
+        leaves=[_input_leaf((3, 4))],
         aliased_inputs=[],
         graph=CompiledGraph(
             source=source,
             tensor_literals=[],
-            input_names=["p_0_weight", "p_0_bias", "p_2_weight", "p_2_bias", "x"],
+            input_names=input_names,
             imports=[],
             branches=[],
             rewritten_imports=rewritten_imports,
-            positional_names=["arg0_1", "arg1_1", "arg2_1", "arg3_1", "arg4_1"],
+            positional_names=[f"arg{index}_1" for index in range(len(input_names))],
+            triton_kernels=_TRITON_KERNEL.findall(source),
         ),
         # The canned graph's kernels are not compiled here: nothing is pinned.
         kernel_binaries={},
         kernel_sources={},
         cache_artifact=None,
+    )
+
+
+def _input_leaf(shape: Shape) -> InputLeaf:
+    return InputLeaf(
+        shape=shape,
+        dtype="torch.float32",
+        device="cpu",
+        bounds=None,
+        symbols=None,
+        stride=(shape[1], 1),
+        value=None,
     )
 
 
@@ -295,4 +323,5 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
     "eager_index_checks": eager_index_checks,
     "inductor_inference": inductor_inference,
     "inductor_dynamic_dims": inductor_dynamic_dims,
+    "inductor_triton_inference": inductor_triton_inference,
 }
