@@ -797,7 +797,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 8cc7b8f1b4711473a29bef1e44838c73833e19c205467f29286926a2dad02a41)
+# 4. Runtime support: support (sha256 b1dadf706b30def2458078e64caf7aef11fd01159eb95adde1c3d2ee3845684c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
