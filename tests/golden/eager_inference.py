@@ -377,7 +377,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 b1dadf706b30def2458078e64caf7aef11fd01159eb95adde1c3d2ee3845684c)
+# 4. Runtime support: support (sha256 f58aeabe87f01259ea8a939b8be11c18e1a925aa78b6fa51e2883d9b1db0d0f4)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

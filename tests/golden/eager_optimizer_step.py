@@ -522,7 +522,7 @@ def forward(*args: object, **keywords: object) -> object:
     _check_aliasing(args, state, leaves)
     if not torch.is_inference_mode_enabled():
         problem = _inference_write_problem(
-            [*state.tensors, *leaves], MUTATED_INPUTS, PARAM_NAMES + BUFFER_NAMES
+            state, leaves, MUTATED_INPUTS, PARAM_NAMES + BUFFER_NAMES
         )
         if problem is not None:
             _fail(problem)
@@ -550,7 +550,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 2a89d0037e1c09d07c7b8363aac63ab40c4b27d2dc6402ba8167a28042fa6f4f)
+# 4. Runtime support: support + optimizers (sha256 2409b9e522f7beaf14c02d136dd439b4999037032dc69162255fabea70d4bdd8)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

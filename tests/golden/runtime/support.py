@@ -5,6 +5,7 @@
 # section 3 uses while the artifact is being executed, only names its functions call.
 # Its functions raise nothing: a failed check returns its message, which section 3
 # raises, so that the one error type is defined before any module-level code runs.
+import bisect
 import functools
 import re
 import reprlib
@@ -435,6 +436,9 @@ class _CheckedState:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
+        # Whether any is an inference tensor, which no in-place update may write
+        # outside inference mode: fixed for the tensors the fast path vouches for.
+        self.inference = any(map(torch.Tensor.is_inference, tensors))
         # Storage pointer -> first position using it; position -> that first position,
         # for the positions that share one.
         self.storage_owner: dict[int, int] = {}
@@ -574,18 +578,28 @@ def _replayed(leaves: list[object], steps: tuple[Any, ...]) -> torch.Tensor:
 
 # --- Inference tensors -------------------------------------------------------------
 def _inference_write_problem(
-    inputs: list[object], positions: list[int], state_names: list[str]
+    state: "_CheckedState",
+    leaves: list[object],
+    positions: list[int],
+    state_names: list[str],
 ) -> str | None:
-    """Why the graph cannot update one of ``inputs`` in place (``positions``) outside
-    inference mode: torch refuses an in-place update of an inference tensor there,
-    eagerly as inside the graph, where earlier updates would already be made."""
-    for position in positions:
-        tensor = inputs[position]
+    """Why the graph cannot update one of its inputs in place (``positions``, among
+    the module state then the leaves) outside inference mode: torch refuses an
+    in-place update of an inference tensor there, eagerly as inside the graph, where
+    earlier updates would already be made."""
+    num_state = len(state.tensors)
+    # The module state holds no inference tensor in almost every call: skip it then.
+    first = 0 if state.inference else bisect.bisect_left(positions, num_state)
+    for position in positions[first:]:
+        if position < num_state:
+            tensor: object = state.tensors[position]
+        else:
+            tensor = leaves[position - num_state]
         if isinstance(tensor, torch.Tensor) and tensor.is_inference():
             name = (
                 f"the model's {state_names[position]!r}"
-                if position < len(state_names)
-                else f"input leaf {position - len(state_names)}"
+                if position < num_state
+                else f"input leaf {position - num_state}"
             )
             return (
                 f"{name} is an inference tensor (made inside torch.inference_mode()) "
