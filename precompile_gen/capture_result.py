@@ -335,8 +335,8 @@ class CompiledGraph:
     emulate_precision_casts: bool = False
     # Inductor only: the names of the Triton kernels ``source`` defines (GPU tensors,
     # or CPU ones with Inductor's ``cpu_backend="triton"``), in its order. Each is
-    # compiled, or run by Triton's interpreter, from its source there: the cache
-    # carries no binary for it.
+    # compiled, or run by Triton's interpreter, from its source there, unless the
+    # cache carries Triton's compiled kernel for it (on a GPU).
     triton_kernels: list[str] = field(default_factory=list)
 
 

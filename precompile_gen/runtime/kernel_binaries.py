@@ -14,6 +14,16 @@ A binary is used only where it can run: the same torch and Python, on the same
 machine architecture and CPU capability. The compiler and the install paths do not
 matter to a binary that is imported directly, so a pair built in one virtualenv, or
 on a machine with another compiler, loads its kernels in another.
+
+Triton kernels on a GPU are compiled by Triton, which keeps each compiled kernel in a
+folder of its cache named by a key over the kernel's source, its options, the
+installed Triton and the GPU target: the binary (cubin or hsaco), its launch
+metadata, and the intermediate forms. The payload carries those folders, as
+``triton/<device>/<key>/<file>``, pinned in KERNEL_BINARIES like the C++ binaries;
+``load`` writes them back into Triton's cache folder, where Triton's own lookup finds
+them and compiles nothing. Triton computes the key itself, so a folder built for
+another GPU or another Triton is simply not found there, and that kernel compiles
+from its source in the artifact.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import platform
 import re
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,8 +47,18 @@ log = logging.getLogger(__name__)
 PAYLOAD_KIND = "inductor-cpp-kernels"
 
 # Inductor keys are "c" + 51 base32 characters, stored in a folder named after
-# characters 1-2. Nothing else may be written from a cache.
-_BINARY_PATH = re.compile(r"[a-z0-9]{2}/c[a-z0-9]{51}\.main\.so")
+# characters 1-2; Triton's are 52 base32 characters (older Tritons: base64 or hex),
+# each a folder of files named after the kernel, under a folder per device index
+# ("None" for a kernel built for whichever device loads it). Nothing else may be
+# written from a cache.
+_BINARY_PATH = re.compile(
+    r"[a-z0-9]{2}/c[a-z0-9]{51}\.main\.so"
+    r"|triton/(?:\d{1,4}|None)/[A-Za-z0-9_-]{32,88}/\w{1,160}\.[a-z0-9]{1,8}"
+)
+# Triton's cache writes the absolute path of a kernel's folder into its metadata
+# (``__grp__<kernel>.json`` lists the folder's files by path): the payload holds this
+# in its place, and ``load`` writes the folder it writes them to.
+_TRITON_FOLDER = b"@TRITON_KERNEL_FOLDER@"
 
 # torch's tracer (make_fx, fx's patcher) and inductor's compiler (config.patch,
 # kernel compilation) keep process-wide state: capture, lowering, the kernel scan and
@@ -67,18 +88,21 @@ class Collected(NamedTuple):
     payload: dict[str, object]
     # The artifact's KERNEL_SOURCES: each kernel source's sha256 -> its binary's key.
     kernel_sources: dict[str, str]
-    # The names of the module's Triton kernels, which the payload carries no binary
-    # for: each compiles, or is interpreted, from its source in the artifact.
+    # The names of the module's Triton kernels. Each compiles, or is interpreted,
+    # from its source in the artifact, unless the payload carries Triton's cache
+    # folder for it.
     triton_kernels: list[str]
 
 
 def collect(graph_source: str) -> Collected:
-    """The payload carrying every C++ kernel binary ``graph_source`` loads, the
+    """The payload carrying every kernel binary ``graph_source`` loads, the
     artifact's KERNEL_SOURCES and the module's Triton kernels.
 
     Runs right after lowering, when the kernels are compiled: the module is executed
-    once more in a scratch namespace, which only loads binaries, and each kernel's
-    source is paired with the binary inductor looks up for it.
+    once more in a scratch namespace, which only loads binaries, and each C++
+    kernel's source is paired with the binary inductor looks up for it. Each Triton
+    kernel Triton compiled brings its cache folders (one per configuration Inductor
+    may pick from at the first call).
     """
     from torch._inductor import codecache
     from torch._inductor.async_compile import AsyncCompile
@@ -125,10 +149,51 @@ def collect(graph_source: str) -> Collected:
     # left to compile at load.
     files = {name: data for name, data in files.items() if data}
     sources = {digest: name for digest, name in sources.items() if name in files}
-    return Collected(_payload(files, triton_kernels), sources, triton_kernels)
+    if triton_kernels and not _triton_interpreted():
+        files.update(triton_files(namespace.get(name) for name in triton_kernels))
+    return Collected(make_payload(files, triton_kernels), sources, triton_kernels)
 
 
-def _payload(files: dict[str, bytes], triton_kernels: list[str]) -> dict[str, object]:
+def triton_files(kernels: Iterable[object]) -> dict[str, bytes]:
+    """The files of Triton's cache folder for each compiled configuration of
+    ``kernels`` (Inductor's ``CachingAutotuner``s, as its module binds them), by
+    payload name, with each folder's path in their metadata replaced."""
+    from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
+
+    files: dict[str, bytes] = {}
+    for kernel in kernels:
+        triton_meta = getattr(kernel, "triton_meta", None)
+        if not isinstance(triton_meta, dict):
+            continue  # not built as Inductor builds a Triton kernel: compiled at load
+        device = str(triton_meta.get("device", 0))
+        for result in getattr(kernel, "compile_results", ()):
+            key = triton_hash_to_path_key(result.kernel.hash)
+            # Spelled as Triton spells it in the metadata.
+            folder = os.path.join(triton_folder(device), key)
+            paths = sorted(Path(folder).iterdir()) if os.path.isdir(folder) else []
+            for path in paths:
+                name = f"triton/{device}/{key}/{path.name}"
+                if path.is_file() and _BINARY_PATH.fullmatch(name):
+                    data = path.read_bytes()
+                    if path.suffix == ".json":
+                        data = data.replace(folder.encode(), _TRITON_FOLDER)
+                    files[name] = data
+    return files
+
+
+def triton_folder(device: str) -> str:
+    """Triton's cache folder for kernels of ``device`` (an index, or "None"), found
+    as Inductor finds it: TRITON_CACHE_DIR if set, else ``triton/<device>`` in
+    inductor's cache folder."""
+    folder = os.environ.get("TRITON_CACHE_DIR")
+    return folder if folder else os.path.join(kernel_folder(), "triton", device)
+
+
+def make_payload(
+    files: dict[str, bytes], triton_kernels: list[str]
+) -> dict[str, object]:
+    """The cache's payload for kernel ``files`` (by payload name) and the module's
+    Triton kernels, with this environment's build fingerprint."""
     return {
         "kind": PAYLOAD_KIND,
         "build": build_fingerprint(),
@@ -136,10 +201,10 @@ def _payload(files: dict[str, bytes], triton_kernels: list[str]) -> dict[str, ob
         "sha256": {
             name: hashlib.sha256(data).hexdigest() for name, data in files.items()
         },
-        # Said, not left to an empty manifest: the Triton kernels travel as source
-        # only, in the artifact. Under Triton's interpreter there is no binary to
-        # carry (it runs each kernel's Python source with NumPy); elsewhere each
-        # compiles, through Triton, at the first call.
+        # Said, not left to the manifest: the Triton kernels travel as source, in
+        # the artifact, and on a GPU as Triton's cache folders in "files" too. Under
+        # Triton's interpreter there is no binary to carry (it runs each kernel's
+        # Python source with NumPy).
         "triton_kernels": list(triton_kernels),
         "triton_interpreted": bool(triton_kernels) and _triton_interpreted(),
     }
@@ -249,21 +314,47 @@ def prime(
     assert isinstance(payload, dict) and isinstance(kernel_sources, dict)
     files: dict[str, bytes] = payload["files"]
     root = kernel_folder()
-    try:
-        for name, data in files.items():
-            _write_binary(Path(root, name), data)
-    except OSError as error:
-        raise PrecompileError(
-            f"cannot write the cache's kernel binaries into inductor's cache folder "
-            f"{root} ({error.strerror or error}: {error.filename}); an inductor "
-            "artifact loads its kernels from files there. Set TORCHINDUCTOR_CACHE_DIR "
-            "to a folder this process can write to, and load again."
-        ) from error
+    for name, data in files.items():
+        target, data = _destination(root, name, data)
+        try:
+            _write_binary(target, data)
+        except OSError as error:
+            folder, variable = _folder_of(root, name)
+            raise PrecompileError(
+                f"cannot write the cache's kernel binaries into {folder} "
+                f"({error.strerror or error}: {error.filename}); an inductor "
+                f"artifact loads its kernels from files there. Set {variable} to a "
+                "folder this process can write to, and load again."
+            ) from error
     return {
         str(digest): os.path.join(root, name)
         for digest, name in kernel_sources.items()
         if name in files
     }
+
+
+def _folder_of(root: str, name: str) -> tuple[str, str]:
+    """The cache folder the payload's file ``name`` goes to, described, and the
+    environment variable that moves it."""
+    if not name.startswith("triton/"):
+        return f"inductor's cache folder {root}", "TORCHINDUCTOR_CACHE_DIR"
+    folder = triton_folder(name.split("/")[1])
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return f"Triton's cache folder {folder}", "TRITON_CACHE_DIR"
+    return f"Triton's cache folder {folder}", "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _destination(root: str, name: str, data: bytes) -> tuple[Path, bytes]:
+    """Where the payload's file ``name`` goes, and what is written there: a C++
+    binary under inductor's cache folder ``root``, a Triton file in Triton's, its
+    folder's path restored in its metadata."""
+    if not name.startswith("triton/"):
+        return Path(root, name), data
+    _, device, key, file = name.split("/")
+    folder = os.path.join(triton_folder(device), key)
+    if file.endswith(".json"):
+        data = data.replace(_TRITON_FOLDER, folder.encode())
+    return Path(folder, file), data
 
 
 def _write_binary(target: Path, data: bytes) -> None:
@@ -307,7 +398,8 @@ def _unusable(payload: object, here: dict[str, str]) -> str | None:
 
 def damaged(payload: object) -> str | None:
     """What makes ``payload`` other than an intact kernel-binary payload, or None:
-    its kind, its manifest, a file name outside inductor's binaries, a digest."""
+    its kind, its manifest, a file name outside inductor's binaries and Triton's
+    cache folders, a digest."""
     if not isinstance(payload, dict) or payload.get("kind") != PAYLOAD_KIND:
         return "the payload is not a kernel-binary payload"
     files, digests = payload.get("files"), payload.get("sha256")

@@ -88,9 +88,28 @@ def format_report(report: dict[str, Any], artifact: str, cache: str) -> str:
             )
         else:
             lines.append("  kernels          each has its binary in the cache")
+        lines += _triton_lines(binaries["triton"])
     elif report["backend"] == "inductor":
         lines.append("  kernel binaries  none: load compiles the kernels from source")
     return "\n".join(lines) + "\n"
+
+
+def _triton_lines(triton: dict[str, Any]) -> list[str]:
+    kernels = triton["kernels"]
+    if not kernels:
+        return []
+    count = f"{len(kernels)} Triton kernel{'' if len(kernels) == 1 else 's'}"
+    if triton["interpreted"]:
+        carried = "made for Triton's interpreter, which runs their source: no binary"
+    elif triton["folders"]:
+        carried = (
+            f"{triton['folders']} compiled configuration"
+            f"{'' if triton['folders'] == 1 else 's'} in Triton's cache folders, "
+            "found by Triton's key (another GPU or Triton compiles from source)"
+        )
+    else:
+        carried = "no compiled binary in the cache: Triton compiles them at load"
+    return [f"  triton           {count}; {carried}"]
 
 
 def _signature_state(envelope: dict[str, Any], key: bytes | None) -> str:
@@ -141,4 +160,12 @@ def _check_binaries(
         "without_binary": _kernels_without_binary(
             python_code, metadata["KERNEL_SOURCES"], files
         ),
+        "triton": {
+            "kernels": list(payload.get("triton_kernels") or []),
+            "interpreted": payload.get("triton_interpreted") is True,
+            # One folder per compiled configuration of a kernel.
+            "folders": len(
+                {name.rsplit("/", 1)[0] for name in files if name.startswith("triton/")}
+            ),
+        },
     }

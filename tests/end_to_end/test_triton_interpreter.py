@@ -18,6 +18,7 @@ from helpers.processes import env_with_helpers
 import precompile_gen as pg
 from precompile_gen import testing
 from precompile_gen.capturing import lower
+from precompile_gen.tools import verify
 
 HERE = Path(__file__).parent
 STEPS = 2
@@ -171,3 +172,20 @@ def test_kernels_the_interpreter_cannot_run_name_the_context_that_runs_them(
     assert "precompile_gen.testing.triton_interpreter()" in str(error)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert lower._triton_interpreter_error(failure) is None
+
+
+def test_verify_says_the_triton_kernels_were_made_for_the_interpreter(
+    inference: Path,
+) -> None:
+    code = (inference / "code.py").read_text(encoding="utf-8")
+    cache = (inference / "cache.bin").read_bytes()
+    report = verify.format_report(
+        verify.verify_pair(code, cache), "code.py", "cache.bin"
+    )
+    kernels = code.count(" = async_compile.triton(")
+    assert kernels > 0
+    counted = f"{kernels} Triton kernel{'' if kernels == 1 else 's'}"
+    assert (
+        f"  triton           {counted}; made for Triton's interpreter, which runs "
+        "their source: no binary"
+    ) in report

@@ -77,11 +77,13 @@
 # it at the first call. A C++ kernel is imported from its binary where one is in
 # place; any other compiles from its source below, through Inductor.
 #
-# Its Triton kernels, each a @triton.jit function in a source string below, travel
-# as source only: Triton compiles each at the first call, and without a GPU its
+# Its Triton kernels, each a @triton.jit function in a source string below, go to
+# Inductor's runtime, and Triton compiles each, unless it finds it compiled in its
+# cache folder: on a GPU, the cache carries Triton's compiled kernels, pinned in
+# KERNEL_BINARIES, and precompile_gen.load writes them there. Without a GPU, Triton's
 # interpreter runs them with NumPy (a process set up as by
 # precompile_gen.testing.triton_interpreter(), with TRITON_INTERPRET=1 set before
-# Triton is imported). The cache carries no binary for them:
+# Triton is imported). They are:
 #   triton_per_fused_gelu_native_layer_norm_0
 from collections.abc import Callable
 from types import SimpleNamespace

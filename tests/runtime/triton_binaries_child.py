@@ -1,0 +1,80 @@
+"""Triton's compiler, for a GPU this machine need not have: records the payload a
+capture on an H100 (sm_90) carries for one kernel, or compiles that kernel again and
+says whether Triton found it in its cache.
+
+    python triton_binaries_child.py record PAYLOAD   # torch.save's the payload there
+    python triton_binaries_child.py compile          # prints {"hash", "cache_hit"}
+
+Triton compiles for an explicit target without a driver (LLVM and its bundled ptxas
+run here); only loading and launching the cubin need the GPU. Both commands use the
+kernel folders the environment names (TRITON_CACHE_DIR, or TORCHINDUCTOR_CACHE_DIR),
+as a capturing or loading process does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from precompile_gen.runtime import kernel_binaries
+
+NAME = "add_one"
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+@triton.jit
+def add_one(in_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(in_ptr + offsets, mask=mask) + 1.0, mask=mask)
+
+
+def compiled() -> triton.compiler.CompiledKernel:
+    source = ASTSource(
+        add_one,
+        signature={
+            "in_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "n": "i32",
+            "BLOCK": "constexpr",
+        },
+        constexprs={"BLOCK": 128},
+    )
+    return triton.compile(source, target=TARGET)
+
+
+def record(path: str) -> None:
+    # What Inductor's module binds a Triton kernel to, as far as the scan reads it:
+    # a CachingAutotuner with its device and one compiled configuration.
+    kernel = SimpleNamespace(triton_meta={"device": 0}, compile_results=[])
+    kernel.compile_results.append(SimpleNamespace(kernel=compiled()))
+    files = kernel_binaries.triton_files([kernel])
+    torch.save(kernel_binaries.make_payload(files, [NAME]), path)
+
+
+def compile_again() -> None:
+    hits: list[bool] = []
+
+    def listener(**report: object) -> None:
+        hits.append(bool(report["cache_hit"]))
+
+    knobs.compilation.listener = listener
+    # Where Inductor points Triton when TRITON_CACHE_DIR is not set.
+    knobs.cache.dir = kernel_binaries.triton_folder("0")
+    kernel = compiled()
+    print(json.dumps({"hash": kernel.hash, "cache_hit": hits == [True]}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "record":
+        record(sys.argv[2])
+    else:
+        compile_again()
