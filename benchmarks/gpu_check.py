@@ -8,10 +8,13 @@ With a CUDA device, on CUDA tensors, each compared with eager:
 - a training step with AdamW inside, three steps (losses and parameters);
 - dropout in training mode, under the same ``torch.manual_seed``;
 - a batch dim marked with ``mark_unbacked``, called at other batch sizes;
+- (CUDA only) inference under ``torch.cuda.stream`` of a side stream, and a 0-dim
+  CPU tensor beside CUDA tensors;
 - a fresh process loading the training step's pair with an empty
   ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``: what it compiled (the kernel
-  sources Inductor wrote, the kernels Triton built) and its load plus first call,
-  next to a fresh process loading the code without the cache;
+  sources Inductor wrote, the kernels Triton built rather than found in the folders
+  load wrote from the cache) and its load plus first call, next to a fresh process
+  loading the code without the cache;
 - resnet18 (torchvision, random weights) and GPT-2 small (transformers'
   ``GPT2Config()``, random weights), each a whole training step with AdamW inside,
   against ``torch.compile`` of the same step: median step time and
@@ -145,9 +148,11 @@ CASES: dict[str, Callable[[str, int], str]] = {
 }
 
 
-def run_cases(device: str, width: int) -> bool:
+def run_cases(
+    device: str, width: int, cases: dict[str, Callable[[str, int], str]]
+) -> bool:
     passed = True
-    for label, check in CASES.items():
+    for label, check in cases.items():
         start = time.perf_counter()
         try:
             result = "ok: " + check(device, width)
@@ -200,10 +205,22 @@ def fresh_load(folder: Path, with_cache: bool, width: int) -> dict[str, float]:
     if done.returncode != 0:
         raise RuntimeError(f"the fresh load failed:\n{done.stderr[-3000:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    # What was compiled: the kernel sources Inductor wrote, the kernels Triton built.
+    # What was compiled: the kernel sources Inductor wrote, and the folders Triton's
+    # cache holds (one per compiled kernel configuration) that load did not write
+    # from the cache's payload.
     report["cpp sources"] = len(list(kernels.rglob("*.cpp")))
-    report["triton kernels"] = len(list(kernels.rglob("*.cubin")))
+    folders = {path.parent.name for path in kernels.rglob("__grp__*.json")}
+    carried = _carried_triton_folders(folder) if with_cache else set()
+    report["triton kernels"] = len(folders - carried)
+    report["triton carried"] = len(carried)
     return report
+
+
+def _carried_triton_folders(folder: Path) -> set[str]:
+    """The Triton cache folders (by key) the pair's cache carries."""
+    envelope = torch.load(folder / "cache.bin", weights_only=True)
+    files = envelope["artifact"]["files"] if envelope["artifact"] else {}
+    return {name.split("/")[2] for name in files if name.startswith("triton/")}
 
 
 def report_fresh_loads(width: int) -> None:
@@ -217,7 +234,8 @@ def report_fresh_loads(width: int) -> None:
             print(
                 f"  {label + ' the cache':<40} {report['seconds']:6.2f} s  compiled "
                 f"{report['triton kernels']:.0f} Triton kernels, "
-                f"{report['cpp sources']:.0f} C++ sources",
+                f"{report['cpp sources']:.0f} C++ sources; "
+                f"{report['triton carried']:.0f} Triton kernels from the cache",
                 flush=True,
             )
             if with_cache:
@@ -322,10 +340,45 @@ def report_models() -> None:
 # --- The run ----------------------------------------------------------------------
 
 
+def check_side_stream(device: str, width: int) -> str:
+    """The kernels launch on the stream current at the call (Inductor's wrapper
+    asks for it at each call), as eager's ops do."""
+    model = mlp(width, device).eval()
+    x = _randn(16, width, device=device)
+    forward = _compiled(predict, model, x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        got = forward(model, x)
+        want = predict(model, x)
+    side.synchronize()
+    torch.testing.assert_close(got, want)
+    return "output on a side stream matches eager's on it"
+
+
+def check_cpu_scalar(device: str, width: int) -> str:
+    """A 0-dim CPU tensor next to CUDA tensors, which eager's ops accept."""
+    model = mlp(width, device).eval()
+    x = _randn(16, width, device=device)
+
+    def scaled(model: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return model(x) * scale
+
+    forward = _compiled(scaled, model, x, torch.tensor(0.5))
+    for value in (0.5, 3.0):
+        scale = torch.tensor(value)
+        torch.testing.assert_close(forward(model, x, scale), scaled(model, x, scale))
+    return "a CPU scalar tensor beside CUDA tensors: two values match eager"
+
+
 def on_gpu() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("\ncases on CUDA tensors, inductor backend, against eager:")
-    run_cases("cuda", width=256)
+    cuda_only = {
+        "inference on a side stream": check_side_stream,
+        "a CPU scalar tensor beside CUDA ones": check_cpu_scalar,
+    }
+    run_cases("cuda", width=256, cases=CASES | cuda_only)
     print("\na fresh process loading the training step (empty kernel folders):")
     report_fresh_loads(width=256)
     print("\nwhole training steps, AdamW inside (median step, peak allocated):")
@@ -341,7 +394,10 @@ def without_gpu() -> None:
         "Instead: the cases on CPU tensors, Inductor's Triton kernels run by "
         "Triton's interpreter (NumPy), in a child process with TRITON_INTERPRET=1."
     )
-    print("Not run (they need a GPU): the fresh-process load, resnet18 and GPT-2.\n")
+    print(
+        "Not run (they need a GPU): a side stream, a CPU scalar beside CUDA "
+        "tensors, the fresh-process load, resnet18 and GPT-2.\n"
+    )
     environment = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, __file__, "--interpreted"]
     done = subprocess.run(command, env=environment, check=False)
@@ -356,7 +412,7 @@ def interpreted() -> None:
     warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
     print("cases on CPU tensors, Triton interpreter, against eager:", flush=True)
     with triton_interpreter():
-        passed = run_cases("cpu", width=8)
+        passed = run_cases("cpu", width=8, cases=CASES)
     sys.exit(0 if passed else 1)
 
 
