@@ -9,7 +9,8 @@ trace's copies of the parameters and of its state, never the example's own.
 The step is traced as torch's ``capturable`` formulation, which keeps the step count
 and the bias corrections in tensors: the default one turns them into Python numbers
 (``.item()``), which a trace cannot follow from one call to the next. Both compute
-the same update up to floating-point rounding.
+the same update up to floating-point rounding, as does an optimizer built with
+``fused=True``, whose step is traced unfused.
 
 Any other optimizer stays an opaque argument: ``zero_grad()`` on it is replayed, as
 for every optimizer, and ``step()`` on it is refused (``grad_resets``).
@@ -38,8 +39,11 @@ SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.AdamW,
 )
 # Group values that change nothing in the update the graph computes: ``lr`` is an
-# input of each call, and the capturable formulation is traced whatever the flag.
-_UNCHECKED_OPTIONS = ("lr", "capturable")
+# input of each call, and the capturable formulation is traced whatever the flags
+# say; ``foreach`` and ``fused`` only pick how eager's kernels loop over the
+# parameters (the traced update is the single-tensor or foreach one, unfused), so
+# the graph's update equals a fused eager step's within floating-point rounding.
+_UNCHECKED_OPTIONS = ("lr", "capturable", "foreach", "fused")
 
 
 @dataclass
@@ -159,13 +163,6 @@ def _options(
         else:
             value = _plain(name, number, key, value)
         options[key] = value
-    if options.get("fused"):
-        raise PrecompileError(
-            f"param group {number} of the optimizer {name} has fused=True, whose "
-            "fused kernel the artifact cannot capture. Build the optimizer without "
-            "fused=True (the inductor backend fuses the update with the rest of "
-            "the step)."
-        )
     if options.get("differentiable"):
         raise PrecompileError(
             f"param group {number} of the optimizer {name} has differentiable=True; "
@@ -292,6 +289,10 @@ def stepping_copies(
             group["params"] = [param_copies[index] for index in spec.params]
             group["lr"] = next(lr_iter)
             group["capturable"] = True
+            # The fused kernel is one opaque op per step; its unfused formulation
+            # is what a trace can follow (and Inductor fuses again).
+            if group.get("fused"):
+                group["fused"] = False
     try:
         yield
         widened.write_back()

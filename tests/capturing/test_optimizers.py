@@ -188,6 +188,13 @@ OPTIMIZERS: dict[str, MakeOptimizer] = {
     "Adam-foreach-maximize": lambda m: torch.optim.Adam(
         m.parameters(), lr=0.01, foreach=True, maximize=True
     ),
+    # The fused kernels' steps, which the artifact traces unfused.
+    "AdamW-fused": lambda m: torch.optim.AdamW(
+        m.parameters(), lr=0.01, weight_decay=0.1, fused=True
+    ),
+    "SGD-fused-momentum": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.1, momentum=0.9, fused=True
+    ),
 }
 
 
@@ -198,7 +205,7 @@ def test_eager_steps_equal_eager_pytorch_with_a_schedule(name: str) -> None:
     run_side_by_side(forward, mlp, make_optimizer, step_lr, train_step, batch)
 
 
-@pytest.mark.parametrize("name", ["SGD-nesterov", "AdamW-amsgrad"])
+@pytest.mark.parametrize("name", ["SGD-nesterov", "AdamW-amsgrad", "AdamW-fused"])
 def test_inductor_compiles_the_update_with_the_step(name: str) -> None:
     make_optimizer = OPTIMIZERS[name]
     forward = precompiled(mlp, make_optimizer, train_step, batch(0), "inductor")
@@ -527,6 +534,19 @@ def test_other_param_groups_are_rejected(adam_step: Callable[..., object]) -> No
     assert "has 2 param groups, but the traced one had 1" in message
 
 
+def test_foreach_and_fused_may_change_between_calls() -> None:
+    # They choose eager's kernels, not the update: a call with other settings is
+    # the same step.
+    def fused(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+
+    def foreach(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=0.01, foreach=True)
+
+    forward = precompiled(mlp, fused, train_step, batch(0), "eager")
+    run_side_by_side(forward, mlp, foreach, None, train_step, batch)
+
+
 def test_a_changed_option_is_rejected_and_names_the_scheduler_fix(
     adam_step: Callable[..., object],
 ) -> None:
@@ -684,9 +704,6 @@ def test_unsupported_optimizers_are_refused_at_capture() -> None:
         pg.precompile(train_step, model, rmsprop, *batch(0), backend="eager")
     assert "calls step() on the optimizer RMSprop" in str(info.value)
     assert "SGD, Adam, AdamW" in str(info.value)
-    fused = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
-    with pytest.raises(pg.PrecompileError, match="fused=True"):
-        pg.precompile(train_step, model, fused, *batch(0), backend="eager")
     stranger = torch.optim.SGD(
         [*model.parameters(), nn.Parameter(torch.ones(2))], lr=0.1
     )

@@ -210,8 +210,6 @@ OPTIMIZERS: list[dict[str, "Any"]] = [
                 "options": {
                     "dampening": 0,
                     "differentiable": False,
-                    "foreach": None,
-                    "fused": None,
                     "maximize": False,
                     "momentum": 0.9,
                     "nesterov": False,
