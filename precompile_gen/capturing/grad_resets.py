@@ -113,6 +113,12 @@ def _step_refused(optimizer: torch.optim.Optimizer) -> PrecompileError:
     if type(optimizer) in (*optimizers.SUPPORTED, torch.optim.SparseAdam):
         problem = "which is not an argument of the function"
         fix = "Pass the optimizer to the function as an argument"
+    elif isinstance(optimizer, torch.optim.LBFGS):
+        problem = (
+            "whose step(closure) calls the closure, a forward and backward, as many "
+            "times as its line search decides, which one captured graph cannot hold"
+        )
+        fix = "Precompile the closure's forward and backward instead"
     else:
         problem = (
             "whose step the artifact cannot capture (it captures those of "

@@ -1,7 +1,8 @@
 """Optimizer arguments: an optimizer's ``step()`` inside the traced function.
 
-An ``SGD``, ``Adam`` or ``AdamW`` passed as an argument is lifted like a module: its
-per-parameter state tensors become graph inputs, after the input leaves, and one
+An optimizer of a class in ``SUPPORTED`` passed as an argument is lifted like a
+module: its per-parameter state tensors become graph inputs, after the input leaves,
+and one
 0-dim ``lr`` tensor per param group follows them, so that a learning-rate schedule
 keeps working without a recapture. While ``fn`` is traced the optimizer steps the
 trace's copies of the parameters and of its state, never the example's own.
@@ -37,6 +38,10 @@ SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
     torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
 )
 # Group values that change nothing in the update the graph computes: ``lr`` is an
 # input of each call, and the capturable formulation is traced whatever the flags
@@ -44,6 +49,10 @@ SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
 # parameters (the traced update is the single-tensor or foreach one, unfused), so
 # the graph's update equals a fused eager step's within floating-point rounding.
 _UNCHECKED_OPTIONS = ("lr", "capturable", "foreach", "fused")
+# Optimizers whose single-tensor step reads a tensor ``lr`` as a Python number
+# (``value=-lr``), which a trace cannot follow from one call to the next: their
+# foreach step, which computes the same update with the ``lr`` tensor, is traced.
+_TENSOR_LR_IN_FOREACH_ONLY = (torch.optim.RMSprop, torch.optim.Adadelta)
 
 
 @dataclass
@@ -238,11 +247,20 @@ def _first_state(
 
 
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[str]:
-    """The state a step keeps per parameter, in the order its first step creates it."""
+    """The state a step keeps per parameter, in the order its first step creates it
+    (each a zero tensor: a step count of 0, or zeros like the parameter)."""
     if isinstance(optimizer, torch.optim.SGD):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
-    keys = ["step", "exp_avg", "exp_avg_sq"]
-    return [*keys, "max_exp_avg_sq"] if group["amsgrad"] else keys
+    if isinstance(optimizer, torch.optim.Adamax):
+        return ["step", "exp_avg", "exp_inf"]
+    if isinstance(optimizer, torch.optim.RMSprop):
+        keys = ["step", "square_avg"]
+        keys += ["momentum_buffer"] if group["momentum"] > 0 else []
+        return [*keys, "grad_avg"] if group["centered"] else keys
+    if isinstance(optimizer, torch.optim.Adadelta):
+        return ["step", "square_avg", "acc_delta"]
+    keys = ["step", "exp_avg", "exp_avg_sq"]  # Adam, AdamW, RAdam
+    return [*keys, "max_exp_avg_sq"] if group.get("amsgrad") else keys
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -289,6 +307,8 @@ def stepping_copies(
             group["params"] = [param_copies[index] for index in spec.params]
             group["lr"] = next(lr_iter)
             group["capturable"] = True
+            if isinstance(optimizer, _TENSOR_LR_IN_FOREACH_ONLY):
+                group["foreach"] = True
             # The fused kernel is one opaque op per step; its unfused formulation
             # is what a trace can follow (and Inductor fuses again).
             if group.get("fused"):

@@ -3,7 +3,8 @@
 Every ``nn.Module`` argument has its parameters and buffers lifted to graph inputs by
 functional reparametrisation, so the graph takes ``[*params, *buffers, *user_leaves]``
 and nothing live is baked in. If ``fn`` runs a backward, the parameters' gradients are
-harvested as extra trailing outputs. An SGD, Adam or AdamW argument has the state
+harvested as extra trailing outputs. An optimizer argument whose step the artifact
+captures (``optimizers.SUPPORTED``) has the state
 its ``step()`` reads, then one ``lr`` per param group, lifted to inputs after the user
 leaves (``optimizers``). The trace runs on copies of the example tensors
 (fake ones when an input has a mark_unbacked dim): tracing never changes the example
