@@ -143,12 +143,22 @@ class ParamGroup(NamedTuple):
 
     # Indices into the params of the group's parameters, in the group's order.
     params: list[int]
-    # The group's values the trace built into the graph (betas, eps, momentum,
-    # flags...): every key of the optimizer's defaults but ``lr``.
+    # The group's values the trace built into the graph (flags, and the numbers
+    # its step read as plain numbers), checked by value at every call.
     options: dict[str, object]
     # The dtype and device of the 0-dim tensor that carries the group's ``lr`` into
     # the graph at each call, so that a learning-rate schedule needs no recapture.
     lr: tuple[str, str]
+    # The numbers the graph reads from the group at each call (betas, eps,
+    # weight_decay, momentum...), in the order of the 1-D tensor of ``values_dtype``
+    # that carries them: (key, None) for a number, (key, index) for one of a
+    # tuple's. A schedule of any of them needs no recapture.
+    values: list[tuple[str, int | None]]
+    values_dtype: str
+    # What those values decided about the step's structure, checked at every call:
+    # (key, index, comparison, the number compared with, its outcome), such as
+    # ("momentum", None, "ne", 0.0, True) for ``if momentum != 0``.
+    guards: list[tuple[str, int | None, str, float, bool]]
 
 
 class OptimizerArgument(NamedTuple):
@@ -521,6 +531,12 @@ def _optimizer_constants(
             "steps": optimizer.steps,
             "groups": [
                 {"params": g.params, "options": g.options, "lr": g.lr}
+                | (
+                    {"values": g.values, "values_dtype": g.values_dtype}
+                    if g.values
+                    else {}
+                )
+                | ({"guards": g.guards} if g.guards else {})
                 for g in optimizer.groups
             ],
             "state": [tuple(t) for t in optimizer.state],

@@ -6,8 +6,8 @@ calling-convention names (``p_0_weight``, ``b_bn_running_mean``, ``p_m1_fc_weigh
 with several modules), an input leaf by the traced function's parameter name and its
 pytree path (``x``, ``batch_input_ids``, ``xs_0``). An optimizer's state tensor is
 named by the optimizer's argument, the parameter and the key (``opt_0_weight_step``),
-each group's lr by the optimizer and the group (``opt_group0_lr``), and a tensor
-literal keeps its name (``literal0``).
+each group's lr and values tensor by the optimizer and the group (``opt_group0_lr``,
+``opt_group0_values``), and a tensor literal keeps its name (``literal0``).
 
 Each name is made a valid Python identifier that shadows neither a builtin, a keyword
 nor a name fx's code reads (``torch``, ``device``, ...), and unique, the way fx makes
@@ -58,7 +58,7 @@ def graph_input_names(
 ) -> list[str]:
     """One name per graph input, in graph-input order: the module state, the input
     leaves of ``user_inputs`` (position, argument), the optimizers' state, their
-    groups' lrs, then the tensor literals."""
+    groups' lrs and values tensors, then the tensor literals."""
     candidates = [f"p_{name}" for name in param_names]
     candidates += [f"b_{name}" for name in buffer_names]
     for position, argument in user_inputs:
@@ -71,6 +71,13 @@ def graph_input_names(
     for optimizer in optimizers:
         owner = arguments[optimizer.position]
         candidates += [f"{owner}_group{g}_lr" for g in range(len(optimizer.groups))]
+    for optimizer in optimizers:
+        owner = arguments[optimizer.position]
+        candidates += [
+            f"{owner}_group{g}_values"
+            for g, group in enumerate(optimizer.groups)
+            if group.values
+        ]
     candidates += literals
     namespace = _Namespace()
     # fx's code takes the GraphModule as ``self`` before the inputs.

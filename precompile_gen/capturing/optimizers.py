@@ -32,6 +32,7 @@ from precompile_gen.capture_result import (
     OptimizerStateTensor,
     ParamGroup,
 )
+from precompile_gen.capturing import hyperparameters
 from precompile_gen.runtime.errors import PrecompileError
 
 SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
@@ -64,6 +65,10 @@ class LiftedOptimizer:
     # The tensors the trace starts from, aligned with ``argument.state``: copies of
     # the example optimizer's state, or zeros where it has none yet.
     state: list[torch.Tensor]
+    # Per group, the numbers its step may read at each call (``hyperparameters``),
+    # and what the traced step did with them.
+    candidates: list[list[tuple[str, int | None]]]
+    reads: hyperparameters.Reads
 
 
 def is_supported(value: object) -> bool:
@@ -92,11 +97,19 @@ def lift(
             "or call the optimizer after the precompiled function."
         )
     groups = []
+    candidates = []
+    numbers = [key for key in optimizer.defaults if key not in _UNCHECKED_OPTIONS]
     for number, group in enumerate(optimizer.param_groups):
+        candidates.append(hyperparameters.candidates(group, numbers))
         indices = _group_indices(group, number, index_of, name, where)
         groups.append(
             ParamGroup(
-                indices, _options(optimizer, group, number), _lr(group, params, indices)
+                indices,
+                _options(optimizer, group, number),
+                _lr(group, params, indices),
+                values=[],
+                values_dtype="torch.float64",
+                guards=[],
             )
         )
     state, tensors = _first_states(optimizer, groups, params, sparse, where)
@@ -104,6 +117,8 @@ def lift(
         optimizer,
         OptimizerArgument(position, name, groups, steps=False, state=state),
         tensors,
+        candidates,
+        hyperparameters.Reads(),
     )
 
 
@@ -276,13 +291,17 @@ def stepping_copies(
     param_copies: list[torch.Tensor],
     state_copies: list[torch.Tensor],
     lrs: list[torch.Tensor],
+    values: list[torch.Tensor],
 ) -> Generator[None]:
     """While ``fn`` is traced: each optimizer holds the trace's copies of its
     parameters (``param_copies``, in PARAM_NAMES order), of its state
-    (``state_copies``, all optimizers' in order) and its groups' ``lr`` tensors
-    (``lrs``); it steps with the capturable formulation. Everything is put back."""
+    (``state_copies``, all optimizers' in order), its groups' ``lr`` tensors
+    (``lrs``) and, for each group with numbers its step may read at each call, the
+    values tensor that carries them (``values``, see ``hyperparameters``); it steps
+    with the capturable formulation. Everything is put back."""
     state_iter = iter(state_copies)
     lr_iter = iter(lrs)
+    values_iter = iter(values)
     widened = _WidenedCounts()
     saved = []
     for entry in lifted:
@@ -301,18 +320,15 @@ def stepping_copies(
                 tensor = widened.count(tensor)
             traced_state[param_copies[spec.param]][spec.key] = tensor
         optimizer.state = traced_state
-        for group, spec in zip(
-            optimizer.param_groups, entry.argument.groups, strict=True
-        ):
+        groups = zip(
+            optimizer.param_groups, entry.argument.groups, entry.candidates, strict=True
+        )
+        for number, (group, spec, candidates) in enumerate(groups):
             group["params"] = [param_copies[index] for index in spec.params]
             group["lr"] = next(lr_iter)
-            group["capturable"] = True
-            if isinstance(optimizer, _TENSOR_LR_IN_FOREACH_ONLY):
-                group["foreach"] = True
-            # The fused kernel is one opaque op per step; its unfused formulation
-            # is what a trace can follow (and Inductor fuses again).
-            if group.get("fused"):
-                group["fused"] = False
+            if candidates:
+                _hyperparameters_in(group, number, candidates, next(values_iter), entry)
+            _traceable_formulation(optimizer, group)
     try:
         yield
         widened.write_back()
@@ -329,6 +345,97 @@ def stepping_copies(
                 vars(optimizer).pop("_opt_called", None)
             else:
                 cast(Any, optimizer)._opt_called = opt_called
+
+
+def _traceable_formulation(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any]
+) -> None:
+    """Have ``group`` step with the formulation a trace can follow."""
+    group["capturable"] = True
+    if isinstance(optimizer, _TENSOR_LR_IN_FOREACH_ONLY):
+        group["foreach"] = True
+    # The fused kernel is one opaque op per step; its unfused formulation is what a
+    # trace can follow (and Inductor fuses again).
+    if group.get("fused"):
+        group["fused"] = False
+
+
+def _hyperparameters_in(
+    group: dict[str, Any],
+    number: int,
+    candidates: list[tuple[str, int | None]],
+    values: torch.Tensor,
+    entry: LiftedOptimizer,
+) -> None:
+    """Put in ``group`` (group ``number``) a Hyperparameter for each of its
+    ``candidates``, carried by its element of ``values``."""
+    for position, (key, index) in enumerate(candidates):
+        source = (number, key, index)
+        value = group[key] if index is None else group[key][index]
+        hyperparameter = hyperparameters.Hyperparameter(
+            values[position], value, frozenset([source]), entry.reads, source
+        )
+        if index is None:
+            group[key] = hyperparameter
+        else:
+            items = list(group[key])
+            items[index] = hyperparameter
+            group[key] = tuple(items) if isinstance(group[key], tuple) else items
+
+
+def value_tensors(lifted: list[LiftedOptimizer]) -> list[torch.Tensor]:
+    """For each group (of each optimizer) with numbers its step may read at each
+    call, the example's values, as the 1-D tensor the trace reads them from: on the
+    group's lr device, in double precision, as eager computes with them."""
+    tensors = []
+    for entry in lifted:
+        for group, spec, candidates in zip(
+            entry.optimizer.param_groups,
+            entry.argument.groups,
+            entry.candidates,
+            strict=True,
+        ):
+            if not candidates:
+                continue
+            _, device = spec.lr
+            numbers = [
+                float(group[key] if index is None else group[key][index])
+                for key, index in candidates
+            ]
+            dtype = _widest_float(torch.device(device))
+            tensors.append(torch.tensor(numbers, dtype=dtype, device=device))
+    return tensors
+
+
+def traced_group(
+    group: ParamGroup,
+    number: int,
+    candidates: list[tuple[str, int | None]],
+    reads: hyperparameters.Reads,
+    values_read: bool,
+) -> ParamGroup:
+    """``group`` as the traced step used its numbers (``candidates``, read at each
+    call from the values tensor if the graph reads it, ``values_read``): those it
+    read as plain numbers stay options, checked by value; the others leave the
+    options, and what they decided about the structure becomes guards."""
+    baked = {key for (g, key, _) in reads.baked if g == number}
+    free = {key for key, _ in candidates} - baked
+    guards = [
+        (key, index, name, other, outcome)
+        for (g, key, index), name, other, outcome in reads.guards
+        if g == number and key in free
+    ]
+    values = candidates if values_read else []
+    if values:
+        dtype = str(_widest_float(torch.device(group.lr[1])))
+    else:
+        dtype = group.values_dtype
+    return group._replace(
+        options={k: v for k, v in group.options.items() if k not in free},
+        values=values,
+        values_dtype=dtype,
+        guards=guards,
+    )
 
 
 class _WidenedCounts:
@@ -373,6 +480,16 @@ def state_read(graph: torch.fx.Graph, placeholder: torch.fx.Node) -> bool:
         ):
             for write in list(user.users):
                 graph.erase_node(write)
+            graph.erase_node(user)
+    return bool(placeholder.users)
+
+
+def values_read(graph: torch.fx.Graph, placeholder: torch.fx.Node) -> bool:
+    """Whether the traced step computed with the values tensor ``placeholder``. Each
+    of its numbers is selected from it as the trace begins; a selection nothing read
+    is erased first."""
+    for user in list(placeholder.users):
+        if not user.users:
             graph.erase_node(user)
     return bool(placeholder.users)
 

@@ -37,6 +37,7 @@ from precompile_gen.capture_result import (
     LeafValue,
     ModuleArgument,
     OptimizerArgument,
+    ParamGroup,
     PythonValue,
     Shape,
     ShardInput,
@@ -435,14 +436,17 @@ def _flatten_user_inputs(
 @dataclass
 class _GraphInputs:
     """The tensors the graph is traced on, in graph-input order: the module state,
-    the user-input leaves, the optimizers' state, then one ``lr`` per param group."""
+    the user-input leaves, the optimizers' state, one ``lr`` per param group, then
+    the values tensor of each group with numbers its step may read at each call."""
 
     flat_args: list[object]
     num_state: int
     num_params: int
-    # Where the optimizers' state begins, and where their lrs begin.
+    # Where the optimizers' state begins, where their lrs begin, and their groups'
+    # values tensors.
     state_start: int
     lr_start: int
+    values_start: int
     aliased_inputs: list[AliasGroup]
     # The DTensor graph inputs' mesh shapes and placements, by position.
     dtensor_layouts: dict[int, DTensorLayout]
@@ -471,10 +475,11 @@ def _graph_inputs(
     # The optimizers' state and lr tensors follow the input leaves.
     optimizer_state = [t for entry in lifted.optimizers for t in entry.state]
     lrs = optimizers.lr_tensors(lifted.optimizers)
+    values = optimizers.value_tensors(lifted.optimizers)
     num_state = len(state.tensors)
     state_start = num_state + len(user.leaves)
     flat_args = _tensors_to_trace(
-        lifted, user, aliased_inputs, [*optimizer_state, *lrs]
+        lifted, user, aliased_inputs, [*optimizer_state, *lrs, *values]
     )
     return _GraphInputs(
         flat_args=flat_args,
@@ -482,6 +487,7 @@ def _graph_inputs(
         num_params=state.num_params,
         state_start=state_start,
         lr_start=state_start + len(optimizer_state),
+        values_start=state_start + len(optimizer_state) + len(lrs),
         aliased_inputs=aliased_inputs,
         dtensor_layouts=dtensor_layouts,
         versions=[_version(arg) for arg in flat_args],
@@ -607,7 +613,8 @@ def _running_on_graph_inputs(
             lifted.optimizers,
             flat[:num_params],
             flat[inputs.state_start : inputs.lr_start],
-            flat[inputs.lr_start :],
+            flat[inputs.lr_start : inputs.values_start],
+            flat[inputs.values_start :],
         ),
         grad_resets.recording(
             state.tensors[:num_params],
@@ -1195,11 +1202,48 @@ def _finish_optimizers(
                     "the precompiled function."
                 )
             position += 1
+    arguments = [
+        argument._replace(groups=groups)
+        for argument, groups in zip(
+            arguments,
+            _groups_with_values(gm.graph, placeholders, position, lifted, unused),
+            strict=True,
+        )
+    ]
     _drop_inputs(gm, unused)
     gm.recompile()  # state_read may have erased nodes
     for index in reversed(unused):
         del flat_args[index]
     return arguments
+
+
+def _groups_with_values(
+    graph: torch.fx.Graph,
+    placeholders: list[torch.fx.Node],
+    position: int,
+    lifted: list[optimizers.LiftedOptimizer],
+    unused: list[int],
+) -> list[list[ParamGroup]]:
+    """Each optimizer's groups as the traced step used their numbers, the values
+    tensors starting at ``position``; a values tensor the graph does not read joins
+    ``unused``."""
+    result = []
+    for entry in lifted:
+        groups = []
+        for number, (group, candidates) in enumerate(
+            zip(entry.argument.groups, entry.candidates, strict=True)
+        ):
+            read = False
+            if candidates:
+                read = optimizers.values_read(graph, placeholders[position])
+                if not read:
+                    unused.append(position)
+                position += 1
+            groups.append(
+                optimizers.traced_group(group, number, candidates, entry.reads, read)
+            )
+        result.append(groups)
+    return result
 
 
 def _drop_inputs(gm: torch.fx.GraphModule, positions: list[int]) -> None:

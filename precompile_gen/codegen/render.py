@@ -443,8 +443,8 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
         raise ValueError(
             f"the CaptureResult names {len(names)} graph inputs "
             f"(graph.input_names), but its records make {len(roles)}: one per "
-            "parameter, buffer, input leaf, optimizer state tensor, lr and tensor "
-            "literal."
+            "parameter, buffer, input leaf, optimizer state tensor, lr, values "
+            "tensor and tensor literal."
         )
     if graph.positional_names:
         input_rows = [["inductor", "input", "what"]] + [
@@ -498,8 +498,19 @@ def _input_roles(cap: CaptureResult) -> list[str]:
             f"argument {optimizer.position}: lr of param group {g}"
             for g in range(len(optimizer.groups))
         ]
+    for optimizer in cap.optimizers:
+        roles += [
+            f"argument {optimizer.position}: values of param group {g} "
+            f"({', '.join(_value_name(*entry) for entry in group.values)})"
+            for g, group in enumerate(optimizer.groups)
+            if group.values
+        ]
     roles += [f"tensor literal {lit.name}" for lit in cap.graph.tensor_literals]
     return roles
+
+
+def _value_name(key: str, index: int | None) -> str:
+    return key if index is None else f"{key}[{index}]"
 
 
 def _tensor_rows(cap: CaptureResult) -> list[list[str]]:

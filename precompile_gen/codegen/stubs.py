@@ -248,8 +248,11 @@ def _all_features_optimizer() -> OptimizerArgument:
         groups=[
             ParamGroup(
                 [0],
-                {"momentum": 0.9, "dampening": 0.1},
+                {"dampening": 0.1},
                 ("torch.float32", "cpu"),
+                values=[("momentum", None), ("weight_decay", None)],
+                values_dtype="torch.float64",
+                guards=[("momentum", None, "ne", 0.0, True)],
             )
         ],
         steps=True,
@@ -273,6 +276,7 @@ def _all_features_graph(graph: CompiledGraph) -> CompiledGraph:
             "extras_scale",
             "opt_m0_weight_momentum_buffer",
             "opt_group0_lr",
+            "opt_group0_values",
             "literal0",
         ],
         positional_names=[],

@@ -41,12 +41,18 @@
 import torch
 
 
-def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, target, optimizer_0_weight_momentum_buffer, optimizer_0_bias_momentum_buffer, optimizer_2_weight_momentum_buffer, optimizer_2_bias_momentum_buffer, optimizer_group0_lr):
+def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, target, optimizer_0_weight_momentum_buffer, optimizer_0_bias_momentum_buffer, optimizer_2_weight_momentum_buffer, optimizer_2_bias_momentum_buffer, optimizer_group0_lr, optimizer_group0_values):
+    select = torch.ops.aten.select.int(optimizer_group0_values, 0, 0)
+    mul_ = torch.ops.aten.mul_.Tensor(optimizer_0_weight_momentum_buffer, select);  optimizer_0_weight_momentum_buffer = None
+    mul__1 = torch.ops.aten.mul_.Tensor(optimizer_0_bias_momentum_buffer, select);  optimizer_0_bias_momentum_buffer = None
+    mul__2 = torch.ops.aten.mul_.Tensor(optimizer_2_weight_momentum_buffer, select);  optimizer_2_weight_momentum_buffer = None
+    mul__3 = torch.ops.aten.mul_.Tensor(optimizer_2_bias_momentum_buffer, select);  optimizer_2_bias_momentum_buffer = select = None
+    select_1 = torch.ops.aten.select.int(optimizer_group0_values, 0, 1);  optimizer_group0_values = None
+    rsub = torch.ops.aten.rsub.Scalar(select_1, 1)
+    rsub_1 = torch.ops.aten.rsub.Scalar(select_1, 1)
+    rsub_2 = torch.ops.aten.rsub.Scalar(select_1, 1)
+    rsub_3 = torch.ops.aten.rsub.Scalar(select_1, 1);  select_1 = None
     t = torch.ops.aten.t.default(p_0_weight)
-    mul_ = torch.ops.aten.mul_.Tensor(optimizer_0_weight_momentum_buffer, 0.9);  optimizer_0_weight_momentum_buffer = None
-    mul__1 = torch.ops.aten.mul_.Tensor(optimizer_0_bias_momentum_buffer, 0.9);  optimizer_0_bias_momentum_buffer = None
-    mul__2 = torch.ops.aten.mul_.Tensor(optimizer_2_weight_momentum_buffer, 0.9);  optimizer_2_weight_momentum_buffer = None
-    mul__3 = torch.ops.aten.mul_.Tensor(optimizer_2_bias_momentum_buffer, 0.9);  optimizer_2_bias_momentum_buffer = None
     addmm = torch.ops.aten.addmm.default(p_0_bias, x, t);  t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
     alias = torch.ops.aten.alias.default(relu)
@@ -63,11 +69,13 @@ def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, target, 
     sum_1 = torch.ops.aten.sum.dim_IntList(mse_loss_backward, [0], True);  mse_loss_backward = None
     view = torch.ops.aten.view.default(sum_1, [2]);  sum_1 = None
     alias_1 = torch.ops.aten.alias.default(view);  view = None
-    add__3 = torch.ops.aten.add_.Tensor(mul__3, alias_1);  mul__3 = None
+    mul_3 = torch.ops.aten.mul.Tensor(alias_1, rsub_3);  rsub_3 = None
+    add__3 = torch.ops.aten.add_.Tensor(mul__3, mul_3);  mul__3 = mul_3 = None
     addcmul__3 = torch.ops.aten.addcmul_.default(p_2_bias, add__3, optimizer_group0_lr, value = -1);  p_2_bias = add__3 = addcmul__3 = None
     t_5 = torch.ops.aten.t.default(t_4);  t_4 = None
     alias_2 = torch.ops.aten.alias.default(t_5);  t_5 = None
-    add__2 = torch.ops.aten.add_.Tensor(mul__2, alias_2);  mul__2 = None
+    mul_2 = torch.ops.aten.mul.Tensor(alias_2, rsub_2);  rsub_2 = None
+    add__2 = torch.ops.aten.add_.Tensor(mul__2, mul_2);  mul__2 = mul_2 = None
     addcmul__2 = torch.ops.aten.addcmul_.default(p_2_weight, add__2, optimizer_group0_lr, value = -1);  p_2_weight = add__2 = addcmul__2 = None
     alias_3 = torch.ops.aten.alias.default(alias);  alias = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm, alias_3, 0);  mm = alias_3 = None
@@ -77,11 +85,13 @@ def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, target, 
     sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
     view_1 = torch.ops.aten.view.default(sum_2, [8]);  sum_2 = None
     alias_4 = torch.ops.aten.alias.default(view_1);  view_1 = None
-    add__1 = torch.ops.aten.add_.Tensor(mul__1, alias_4);  mul__1 = None
+    mul_1 = torch.ops.aten.mul.Tensor(alias_4, rsub_1);  rsub_1 = None
+    add__1 = torch.ops.aten.add_.Tensor(mul__1, mul_1);  mul__1 = mul_1 = None
     addcmul__1 = torch.ops.aten.addcmul_.default(p_0_bias, add__1, optimizer_group0_lr, value = -1);  p_0_bias = add__1 = addcmul__1 = None
     t_8 = torch.ops.aten.t.default(t_7);  t_7 = None
     alias_5 = torch.ops.aten.alias.default(t_8);  t_8 = None
-    add_ = torch.ops.aten.add_.Tensor(mul_, alias_5);  mul_ = None
+    mul = torch.ops.aten.mul.Tensor(alias_5, rsub);  rsub = None
+    add_ = torch.ops.aten.add_.Tensor(mul_, mul);  mul_ = mul = None
     addcmul_ = torch.ops.aten.addcmul_.default(p_0_weight, add_, optimizer_group0_lr, value = -1);  p_0_weight = add_ = optimizer_group0_lr = addcmul_ = None
     alias_6 = torch.ops.aten.alias.default(mse_loss);  mse_loss = None
     return [alias_6, alias_5, alias_4, alias_2, alias_1]
@@ -206,16 +216,23 @@ OPTIMIZERS: list[dict[str, "Any"]] = [
         "class": "SGD",
         "groups": [
             {
+                "guards": [
+                    ("momentum", None, "ne", 0.0, True),
+                    ("weight_decay", None, "ne", 0.0, False),
+                ],
                 "lr": ("torch.float64", "cpu"),
                 "options": {
-                    "dampening": 0,
                     "differentiable": False,
                     "maximize": False,
-                    "momentum": 0.9,
                     "nesterov": False,
-                    "weight_decay": 0,
                 },
                 "params": [0, 1, 2, 3],
+                "values": [
+                    ("momentum", None),
+                    ("dampening", None),
+                    ("weight_decay", None),
+                ],
+                "values_dtype": "torch.float64",
             }
         ],
         "position": 1,
@@ -548,7 +565,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 2409b9e522f7beaf14c02d136dd439b4999037032dc69162255fabea70d4bdd8)
+# 4. Runtime support: support + optimizers (sha256 9c0fb67d02259cd4b827a304f31a952369692f2d7a09bc2f7d1973e9843d1081)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -102,18 +102,21 @@ class StateSnapshot:
             self._states[name].assert_same(name, tensor)
 
 
-def assert_same_state(actual: nn.Module, expected: nn.Module) -> None:
-    """``actual``'s parameters, buffers and ``.grad`` fields equal ``expected``'s."""
+def assert_same_state(
+    actual: nn.Module, expected: nn.Module, **tolerance: float
+) -> None:
+    """``actual``'s parameters, buffers and ``.grad`` fields equal ``expected``'s
+    (within ``tolerance``, ``rtol`` and ``atol`` as assert_close takes them)."""
     got, want = named_tensors([actual]), named_tensors([expected])
     assert list(got) == list(want), "the models have different members"
     for name in want:
-        torch.testing.assert_close(got[name], want[name], msg=name)
+        torch.testing.assert_close(got[name], want[name], msg=name, **tolerance)
         if want[name].grad is None:
             assert got[name].grad is None, f"{name}.grad was set"
         else:
             assert got[name].grad is not None, f"{name}.grad is missing"
             torch.testing.assert_close(
-                got[name].grad, want[name].grad, msg=f"{name}.grad"
+                got[name].grad, want[name].grad, msg=f"{name}.grad", **tolerance
             )
 
 

@@ -129,12 +129,15 @@ class _OptimizerArguments:
                 if (tuple(now) if isinstance(now, list) else now) != value:
                     return (
                         f"param group {number} of {subject} has {key}={now!r}, but "
-                        f"the traced step was built with {key}={value!r}; only lr is "
-                        "read at each call (a scheduler that changes "
-                        f"{key} needs a capture per value: OneCycleLR takes "
-                        f"cycle_momentum=False). Set {key} back, or capture again "
-                        "with this value."
+                        f"the traced step was built with {key}={value!r}, which it "
+                        "reads as a constant. Set it back, or capture again with "
+                        "this value."
                     )
+            problem = _values_problem(
+                group, traced, f"param group {number} of {subject}"
+            )
+            if problem is not None:
+                return problem
             lr = group["lr"]
             if not (
                 isinstance(lr, (int, float))
@@ -236,7 +239,7 @@ class _OptimizerArguments:
             if not param_state:
                 if "momentum_buffer" in keys:
                     problem = self._fresh_momentum_problem(
-                        spec["groups"], index, subject
+                        step.optimizer, spec["groups"], index, subject
                     )
                     if problem is not None:
                         return problem
@@ -266,19 +269,25 @@ class _OptimizerArguments:
         return None
 
     def _fresh_momentum_problem(
-        self, traced_groups: list[dict[str, Any]], index: int, subject: str
+        self,
+        optimizer: torch.optim.Optimizer,
+        traced_groups: list[dict[str, Any]],
+        index: int,
+        subject: str,
     ) -> str | None:
         # A first SGD step copies the gradient into the momentum buffer; the traced
         # step computes momentum * buffer + (1 - dampening) * gradient, which is that
-        # copy from a zero buffer only without dampening.
-        group = next(g for g in traced_groups if index in g["params"])
-        if group["options"].get("dampening", 0) != 0:
+        # copy from a zero buffer only without dampening (this call's, which the
+        # graph may read at each call).
+        number = next(n for n, g in enumerate(traced_groups) if index in g["params"])
+        dampening = optimizer.param_groups[number].get("dampening", 0)
+        if dampening != 0:
             return (
                 f"{subject} has no momentum buffer yet for the model's "
                 f"{self.state_names[index]!r}, and its first step with dampening="
-                f"{group['options']['dampening']} differs from the traced one. Take "
-                "the first step eagerly (optimizer.step() after a backward), or build "
-                "the optimizer with dampening=0."
+                f"{dampening} differs from the traced one. Take the first step "
+                "eagerly (optimizer.step() after a backward), or build the optimizer "
+                "with dampening=0."
             )
         return None
 
@@ -309,9 +318,11 @@ class _OptimizerArguments:
         self, steps: list[_Step], tensors: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """The graph's inputs after the input leaves: each optimizer's state tensors,
-        created first where its step has not yet, then each group's lr."""
+        created first where its step has not yet, each group's lr, then the values
+        tensor of each group whose numbers the graph reads at each call."""
         state: list[torch.Tensor] = []
         lrs: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for spec, step, layout in zip(self.optimizers, steps, self.layouts):
             optimizer = step.optimizer
             fresh = set(step.fresh)
@@ -338,7 +349,16 @@ class _OptimizerArguments:
                     lrs.append(lr.detach().reshape(()).to(_dtype(dtype), device))
                 else:
                     lrs.append(torch.tensor(lr, dtype=_dtype(dtype), device=device))
-        return state + lrs
+                if "values" in traced:
+                    numbers = [
+                        _group_value(group, *entry) for entry in traced["values"]
+                    ]
+                    values.append(
+                        torch.tensor(
+                            numbers, dtype=_dtype(traced["values_dtype"]), device=device
+                        )
+                    )
+        return state + lrs + values
 
     def finish(self, steps: list[_Step], tensors: list[torch.Tensor]) -> None:
         """After the graph ran: the state its first step created joins each
@@ -352,6 +372,59 @@ class _OptimizerArguments:
             stepped = step.optimizer.step
             if spec["steps"] and getattr(stepped, "_wrapped_by_lr_sched", False):
                 cast(Any, step.optimizer)._opt_called = True
+
+
+def _group_value(group: dict[str, Any], key: str, index: int | None) -> object:
+    value = group.get(key)
+    if index is None:
+        return value
+    return value[index] if isinstance(value, (tuple, list)) else None
+
+
+def _values_problem(
+    group: dict[str, Any], traced: dict[str, Any], where: str
+) -> str | None:
+    """Whether the group's numbers the graph reads at each call are numbers, and
+    decide the step's structure as they did when it was traced."""
+    for key, index in traced.get("values", ()):
+        value = _group_value(group, key, index)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            name = key if index is None else f"{key}[{index}]"
+            return (
+                f"{where} has {name}={value!r}; the traced step reads it at each call "
+                "as a number. Set it to a Python number."
+            )
+    for key, index, comparison, other, outcome in traced.get("guards", ()):
+        value = _group_value(group, key, index)
+        if _COMPARISONS[comparison](value, other) != outcome:
+            name = key if index is None else f"{key}[{index}]"
+            traced_side = _COMPARISON_TEXT[comparison][outcome]
+            return (
+                f"{where} has {name}={value!r}, but the traced step was built for "
+                f"{name} {traced_side} {other!r}: that decides which operations the "
+                "step runs, not only their numbers. Set it back, or capture again "
+                "with this value."
+            )
+    return None
+
+
+# A traced comparison of a group's value with a number, and how to say what held.
+_COMPARISONS = {
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+}
+_COMPARISON_TEXT = {
+    "eq": {True: "==", False: "!="},
+    "ne": {True: "!=", False: "=="},
+    "lt": {True: "<", False: ">="},
+    "le": {True: "<=", False: ">"},
+    "gt": {True: ">", False: "<="},
+    "ge": {True: ">=", False: "<"},
+}
 
 
 def _optimizer_state_problem(
