@@ -62,7 +62,7 @@ class Reads:
     baked: set[Source] = field(default_factory=set)
     guards: list[Guard] = field(default_factory=list)
 
-    def guard(self, source: Source, name: str, other: float, outcome: bool) -> None:
+    def guard(self, source: Source, name: str, other: float, outcome: object) -> None:
         entry = (source, name, float(other), bool(outcome))
         if entry not in self.guards:
             self.guards.append(entry)
@@ -172,7 +172,7 @@ class Hyperparameter:
             return NotImplemented
         outcome = op(self.value, other)
         if self.source is not None:
-            self.reads.guard(self.source, name, float(other), outcome)  # type: ignore[arg-type]
+            self.reads.guard(self.source, name, float(other), outcome)
         else:
             self.reads.baked |= self.sources
         return outcome

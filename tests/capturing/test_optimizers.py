@@ -98,7 +98,8 @@ def assert_same_optimizer_state(
     expected: torch.optim.Optimizer,
     model: nn.Module,
     twin: nn.Module,
-    **tolerance: float,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> None:
     for (name, param), twin_param in zip(
         model.named_parameters(), twin.parameters(), strict=True
@@ -107,7 +108,7 @@ def assert_same_optimizer_state(
         assert list(got) == list(want), f"{name}: state keys {list(got)}"
         for key in want:
             torch.testing.assert_close(
-                got[key], want[key], msg=f"{name} {key}", **tolerance
+                got[key], want[key], msg=f"{name} {key}", rtol=rtol, atol=atol
             )
     for got, want in zip(actual.param_groups, expected.param_groups, strict=True):
         assert got["lr"] == pytest.approx(want["lr"])
@@ -123,7 +124,8 @@ def run_side_by_side(
     *,
     warm_up: int = 0,
     steps: int = STEPS,
-    **tolerance: float,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> None:
     """``STEPS`` calls of ``forward`` against eager ``step`` on a twin, after
     ``warm_up`` eager steps on both (an optimizer that has already stepped)."""
@@ -144,9 +146,11 @@ def run_side_by_side(
         loss = forward(model, optimizer, *make_batch(seed))
         torch.manual_seed(1000 + seed)
         expected = step(twin, twin_optimizer, *make_batch(seed))
-        torch.testing.assert_close(loss, expected, **tolerance)
-        assert_same_state(model, twin, **tolerance)
-        assert_same_optimizer_state(optimizer, twin_optimizer, model, twin, **tolerance)
+        torch.testing.assert_close(loss, expected, rtol=rtol, atol=atol)
+        assert_same_state(model, twin, rtol=rtol, atol=atol)
+        assert_same_optimizer_state(
+            optimizer, twin_optimizer, model, twin, rtol=rtol, atol=atol
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for scheduler in schedulers:

@@ -103,20 +103,30 @@ class StateSnapshot:
 
 
 def assert_same_state(
-    actual: nn.Module, expected: nn.Module, **tolerance: float
+    actual: nn.Module,
+    expected: nn.Module,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> None:
     """``actual``'s parameters, buffers and ``.grad`` fields equal ``expected``'s
-    (within ``tolerance``, ``rtol`` and ``atol`` as assert_close takes them)."""
+    (within ``rtol`` and ``atol`` as assert_close takes them; its defaults by
+    default)."""
     got, want = named_tensors([actual]), named_tensors([expected])
     assert list(got) == list(want), "the models have different members"
     for name in want:
-        torch.testing.assert_close(got[name], want[name], msg=name, **tolerance)
+        torch.testing.assert_close(
+            got[name], want[name], msg=name, rtol=rtol, atol=atol
+        )
         if want[name].grad is None:
             assert got[name].grad is None, f"{name}.grad was set"
         else:
             assert got[name].grad is not None, f"{name}.grad is missing"
             torch.testing.assert_close(
-                got[name].grad, want[name].grad, msg=f"{name}.grad", **tolerance
+                got[name].grad,
+                want[name].grad,
+                msg=f"{name}.grad",
+                rtol=rtol,
+                atol=atol,
             )
 
 
