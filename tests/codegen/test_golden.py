@@ -339,6 +339,10 @@ FEATURE_CODE = {
         ("inductor_inference", {"layouts"}),
         ("inductor_dynamic_dims", {"layouts", "dynamic dims", "shared sizes"}),
         ("inductor_triton_inference", {"layouts"}),
+        (
+            "inductor_triton_train_step",
+            {"gradients", "grad resets", "optimizers", "layouts"},
+        ),
     ],
 )
 def test_each_driver_carries_exactly_its_features_code(
