@@ -9,10 +9,12 @@ The files, in order, since each is made from the one before:
    goldens splice (tests/fixtures/regenerate_inductor_graph.py). It is Inductor's
    output on this machine's vector instruction set, so it is made and checked only
    where Inductor picks the width it was made for, and skipped elsewhere with a note.
-2. tests/fixtures/inductor_triton_mlp_graph.txt: the canned Inductor module with
-   Triton kernels (tests/fixtures/regenerate_inductor_triton_graph.py), made under
-   Triton's interpreter in a child process, with what depends on the machine
-   replaced: made and checked everywhere.
+2. tests/fixtures/inductor_triton_mlp_graph.txt and
+   inductor_triton_adamw_step_graph.txt: the canned Inductor modules with Triton
+   kernels, of an inference and of a training step with AdamW inside
+   (tests/fixtures/regenerate_inductor_triton_graph.py), made under Triton's
+   interpreter in a child process each, with what depends on the machine replaced:
+   made and checked everywhere.
 3. tests/golden/*.py: the goldens, by ``GOLDEN_COMMAND``; checked by running
    tests/codegen/test_golden.py without the flag.
 4. docs/gallery.md: excerpts of the goldens (tools/gallery.py).
@@ -72,9 +74,14 @@ def inductor_graph(check: bool) -> str | None:
 
 
 def inductor_triton_graph(check: bool) -> str | None:
-    """Regenerate (or check) the canned Inductor module with Triton kernels."""
+    """Regenerate (or check) the canned Inductor modules with Triton kernels."""
     fixtures = _module(TRITON_FIXTURE_SCRIPT)
-    return _fixture(fixtures.FIXTURE, fixtures.canned_graph(), check)
+    problems = [
+        problem
+        for program, path in fixtures.FIXTURES.items()
+        if (problem := _fixture(path, fixtures.canned_graph(program), check))
+    ]
+    return "; ".join(problems) or None
 
 
 def _fixture(path: Path, wanted: str, check: bool) -> str | None:
@@ -85,7 +92,7 @@ def _fixture(path: Path, wanted: str, check: bool) -> str | None:
         print(f"{name} is up to date")
         return None
     if check:
-        return f"{name} differs from what Inductor makes of its MLP here"
+        return f"{name} differs from what Inductor makes of its program here"
     path.write_text(wanted, encoding="utf-8")
     print(f"updated {name}")
     return None

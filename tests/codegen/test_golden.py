@@ -9,10 +9,11 @@ text. Regenerate after an intended change with
     python -m pytest tests/codegen/test_golden.py --update-goldens
 
 Eager goldens come from live captures (fx's code does not depend on the machine). The
-inductor goldens render a hand-built ``CaptureResult`` around a canned Inductor module
-(tests/fixtures/inductor_mlp_graph.txt, or inductor_triton_mlp_graph.txt for Triton
-kernels), because live Inductor output differs by machine; no tracing happens for
-them.
+inductor goldens splice a canned Inductor module (tests/fixtures/inductor_mlp_graph.txt,
+or inductor_triton_mlp_graph.txt and inductor_triton_adamw_step_graph.txt for Triton
+kernels), because live Inductor output differs by machine: most render a hand-built
+``CaptureResult`` around it, and no tracing happens for them; the Triton training
+step is traced live, with Inductor's compile replaced by its canned module.
 """
 
 from __future__ import annotations
@@ -339,6 +340,10 @@ FEATURE_CODE = {
         ("inductor_inference", {"layouts"}),
         ("inductor_dynamic_dims", {"layouts", "dynamic dims", "shared sizes"}),
         ("inductor_triton_inference", {"layouts"}),
+        (
+            "inductor_triton_train_step",
+            {"gradients", "grad resets", "optimizers", "layouts"},
+        ),
     ],
 )
 def test_each_driver_carries_exactly_its_features_code(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.golden import GOLDEN_DIR, full_artifact
 from helpers.processes import env_with_helpers
 
 import precompile_gen as pg
@@ -113,6 +114,19 @@ def test_a_fresh_process_runs_the_artifact_as_eager_does(
     if program == "training":
         # The second step's loss is the updated model's, not a replay of the first.
         assert outputs[1] < outputs[0]
+
+
+def test_the_training_golden_is_an_artifact_that_runs_as_eager_does(
+    tmp_path: Path,
+) -> None:
+    # The golden's driver around its canned module, its runtime support restored and
+    # loaded without a cache: its Triton kernels compile from their source, and each
+    # step matches eager's, parameters and optimizer state included.
+    golden = (GOLDEN_DIR / "inductor_triton_train_step.py").read_text("utf-8")
+    (tmp_path / "code.py").write_text(full_artifact(golden), encoding="utf-8")
+    outputs = _loaded("training", tmp_path)["outputs"]
+    assert isinstance(outputs, list) and len(outputs) == STEPS
+    assert outputs[1] < outputs[0]
 
 
 def test_dropout_draws_the_mask_eager_draws_under_the_same_seed(

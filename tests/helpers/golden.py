@@ -3,7 +3,9 @@
 A golden holds its runtime support's title in place of the support's text, which is
 pinned once per part (tests/golden/runtime/<part>.py); ``full_artifact`` puts it
 back. The eager cases capture live; the inductor ones render a hand-built
-``CaptureResult`` around a canned Inductor module in tests/fixtures/.
+``CaptureResult`` around a canned Inductor module in tests/fixtures/, but for the
+Triton training step, which captures live with Inductor's module replaced by its
+canned one.
 """
 
 from __future__ import annotations
@@ -13,19 +15,23 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
+from unittest import mock
 
 import torch
 from torch import nn
 
 import precompile_gen as pg
+from helpers import triton_programs
 from precompile_gen.capture_result import (
     CompiledGraph,
     InputLeaf,
     ModuleArgument,
     StateTensor,
 )
+from precompile_gen.capturing import lower
 from precompile_gen.codegen import inductor_imports, render
 from precompile_gen.codegen.sections import sections_by_key
+from precompile_gen.runtime import kernel_binaries
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = TESTS_DIR / "golden"
@@ -204,6 +210,33 @@ def _canned_inductor(
     )
 
 
+def inductor_triton_train_step() -> pg.CaptureResult:
+    """The training step ``adamw_step`` (forward, backward and AdamW's update of an
+    MLP with LayerNorm and GELU), as the inductor backend captures it with Triton
+    kernels, around its canned module.
+
+    Captured live, as the eager goldens are: tracing (the optimizer's state, the
+    gradients and the order of the in-place updates included) does not depend on the
+    machine. Only Inductor's compile is replaced, by the canned module it made of the
+    same traced graph, which carries no kernel binary; lowering rewrites its imports
+    and reads its inputs' names and layouts from it as from a live one."""
+    canned = (FIXTURE_DIR / "inductor_triton_adamw_step_graph.txt").read_text("utf-8")
+    # The kernels Inductor's module defines: its auto-tuning block, a string that
+    # repeats them, dropped first.
+    kernels = _TRITON_KERNEL.findall(inductor_imports.rewrite(canned, {})[0])
+    # What the kernel scan finds in a module of Triton kernels: no binary.
+    scanned = kernel_binaries.Collected(
+        kernel_binaries.make_payload({}, kernels), {}, kernels
+    )
+    program = triton_programs.PROGRAMS["training"]
+    with mock.patch.object(lower, "_inductor_graph", return_value=(canned, scanned)):
+        cap = pg.capture(program.fn, *program.arguments(), backend="inductor")
+    # The canned module is the traced graph's: it unpacks one input per graph input.
+    assert len(cap.graph.positional_names) == len(cap.graph.input_names)
+    # The cache is not rendered, and the golden pins no binary.
+    return dataclasses.replace(cap, cache_artifact=None)
+
+
 def _input_leaf(shape: Shape) -> InputLeaf:
     return InputLeaf(
         shape=shape,
@@ -324,4 +357,5 @@ CASES: dict[str, Callable[[], pg.CaptureResult]] = {
     "inductor_inference": inductor_inference,
     "inductor_dynamic_dims": inductor_dynamic_dims,
     "inductor_triton_inference": inductor_triton_inference,
+    "inductor_triton_train_step": inductor_triton_train_step,
 }
