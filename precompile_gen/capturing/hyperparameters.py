@@ -168,7 +168,7 @@ class Hyperparameter:
         if isinstance(other, Hyperparameter):
             self.reads.baked |= self.sources | other.sources
             return op(self.value, other.value)
-        if not _is_number(other):
+        if not isinstance(other, int | float) or isinstance(other, bool):
             return NotImplemented
         outcome = op(self.value, other)
         if self.source is not None:

@@ -72,6 +72,7 @@
 #   arg24_1   opt_3_bias_exp_avg       argument 1: state 'exp_avg' of 3.bias
 #   arg25_1   opt_3_bias_exp_avg_sq    argument 1: state 'exp_avg_sq' of 3.bias
 #   arg26_1   opt_group0_lr            argument 1: lr of param group 0
+#   arg27_1   opt_group0_values        argument 1: values of param group 0 (betas[0], betas[1], eps, weight_decay)
 #
 # AOTAutograd's code binds Inductor's inner `call` as `_inner_call` and then defines
 # the `call` the driver runs around it (hence its `# noqa: F811`); the note its
@@ -114,13 +115,12 @@
 # Triton is imported). They are:
 #   triton_per_fused_gelu_native_layer_norm_0
 #   triton_per_fused_mse_loss_mse_loss_backward_1
-#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_2
-#   triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_3
-#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_reciprocal_rsub_sqrt_4
-#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_5
-#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_6
-#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_7
-#   triton_poi_fused__to_copy_add_copy_copy__8
+#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_sum_view_2
+#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_3
+#   triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_4
+#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_rsub_select_sqrt_sum_view_5
+#   triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_6
+#   triton_poi_fused__to_copy_add_copy_copy__7
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -209,8 +209,8 @@ empty_strided_p2p = torch._C._distributed_c10d._SymmetricMemory.empty_strided_p2
 # kernel path: INDUCTOR-CACHE/KERNEL.py
 # Topologically Sorted Source Nodes: [native_layer_norm, gelu], Original ATen: [aten.native_layer_norm, aten.gelu]
 # Source node to ATen node mapping:
-#   gelu => add_7, erf, mul_24, mul_25, mul_26
-#   native_layer_norm => add_5, add_6, mul_22, mul_23, rsqrt, sub_15, var_mean
+#   gelu => add_7, erf, mul_19, mul_20, mul_21
+#   native_layer_norm => add_5, add_6, mul_17, mul_18, rsqrt, sub_27, var_mean
 # Graph fragment:
 #   %addmm : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=addmm]
 #   %buf1 : Tensor "f32[3, 1][1, 3]cpu" = PlaceHolder[target=buf1]
@@ -220,18 +220,18 @@ empty_strided_p2p = torch._C._distributed_c10d._SymmetricMemory.empty_strided_p2
 #   %copy__3 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__3]
 #   %add_6 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=add_6]
 #   %var_mean : [num_users=2] = call_function[target=torch.ops.aten.var_mean.correction](args = (%addmm, [1]), kwargs = {correction: 0, keepdim: True})
-#   %sub_15 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm, %getitem_1), kwargs = {})
+#   %sub_27 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm, %getitem_1), kwargs = {})
 #   %add_5 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%getitem, 1e-05), kwargs = {})
 #   %rsqrt : Tensor "f32[3, 1][1, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.rsqrt.default](args = (%add_5,), kwargs = {})
-#   %mul_22 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sub_15, %rsqrt), kwargs = {})
-#   %mul_23 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_22, %arg2_1), kwargs = {})
-#   %add_6 : Tensor "f32[3, 8][8, 1]cpu"[num_users=5] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul_23, %arg3_1), kwargs = {})
-#   %mul_24 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, 0.5), kwargs = {})
-#   %mul_25 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, 0.7071067811865476), kwargs = {})
-#   %erf : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.erf.default](args = (%mul_25,), kwargs = {})
+#   %mul_17 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sub_27, %rsqrt), kwargs = {})
+#   %mul_18 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_17, %arg2_1), kwargs = {})
+#   %add_6 : Tensor "f32[3, 8][8, 1]cpu"[num_users=5] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul_18, %arg3_1), kwargs = {})
+#   %mul_19 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, 0.5), kwargs = {})
+#   %mul_20 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, 0.7071067811865476), kwargs = {})
+#   %erf : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.erf.default](args = (%mul_20,), kwargs = {})
 #   %add_7 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%erf, 1), kwargs = {})
-#   %mul_26 : Tensor "f32[3, 8][8, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_24, %add_7), kwargs = {})
-#   return %buf1,%getitem_1,%buf3,%add_6,%mul_26
+#   %mul_21 : Tensor "f32[3, 8][8, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_19, %add_7), kwargs = {})
+#   return %buf1,%getitem_1,%buf3,%add_6,%mul_21
 triton_per_fused_gelu_native_layer_norm_0 = async_compile.triton('triton_per_fused_gelu_native_layer_norm_0', '''
 import triton
 import triton.language as tl
@@ -303,18 +303,18 @@ def triton_per_fused_gelu_native_layer_norm_0(in_out_ptr0, in_ptr0, in_ptr1, in_
 # kernel path: INDUCTOR-CACHE/KERNEL.py
 # Topologically Sorted Source Nodes: [mse_loss, mse_loss_backward], Original ATen: [aten.mse_loss, aten.mse_loss_backward]
 # Source node to ATen node mapping:
-#   mse_loss => mean, pow_11, sub_16
-#   mse_loss_backward => mul_28, sub_17
+#   mse_loss => mean, pow_11, sub_28
+#   mse_loss_backward => mul_23, sub_29
 # Graph fragment:
 #   %addmm_1 : Tensor "f32[3, 2][2, 1]cpu" = PlaceHolder[target=addmm_1]
 #   %arg7_1 : Tensor "f32[3, 2][2, 1]cpu" = PlaceHolder[target=arg7_1]
 #   %buf7 : Tensor "f32[][]cpu" = PlaceHolder[target=buf7]
-#   %sub_16 : Tensor "f32[3, 2][2, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm_1, %arg7_1), kwargs = {})
-#   %pow_11 : Tensor "f32[3, 2][2, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Scalar](args = (%sub_16, 2), kwargs = {})
+#   %sub_28 : Tensor "f32[3, 2][2, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm_1, %arg7_1), kwargs = {})
+#   %pow_11 : Tensor "f32[3, 2][2, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Scalar](args = (%sub_28, 2), kwargs = {})
 #   %mean : Tensor "f32[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mean.default](args = (%pow_11,), kwargs = {})
-#   %sub_17 : Tensor "f32[3, 2][2, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm_1, %arg7_1), kwargs = {})
-#   %mul_28 : Tensor "f32[3, 2][2, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sub_17, 0.3333333333333333), kwargs = {})
-#   return %buf7,%mul_28,%mean
+#   %sub_29 : Tensor "f32[3, 2][2, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm_1, %arg7_1), kwargs = {})
+#   %mul_23 : Tensor "f32[3, 2][2, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sub_29, 0.3333333333333333), kwargs = {})
+#   return %buf7,%mul_23,%mean
 triton_per_fused_mse_loss_mse_loss_backward_1 = async_compile.triton('triton_per_fused_mse_loss_mse_loss_backward_1', '''
 import triton
 import triton.language as tl
@@ -364,74 +364,93 @@ def triton_per_fused_mse_loss_mse_loss_backward_1(in_out_ptr0, in_ptr0, in_ptr1,
 
 
 # kernel path: INDUCTOR-CACHE/KERNEL.py
-# Topologically Sorted Source Nodes: [_to_copy_5, add__10, mul_15, rsub_15, mul__10, sum_1, view, lerp__5, mul__11, addcmul__5, sqrt_11, pow_12, rsub_17, sqrt_10, pow_11, rsub_16, div_10, neg_5, mul_16, div_11, reciprocal_5, mul_17, add__11, addcdiv__5], Original ATen: [aten._to_copy, aten.add, aten.mul, aten.rsub, aten.sum, aten.view, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
+# Topologically Sorted Source Nodes: [_to_copy_5, add__10, select_3, mul_15, rsub_25, mul__10, select, rsub_26, lerp__5, sum_1, view, select_1, mul__11, rsub_27, mul_16, addcmul__5, sqrt_11, pow_12, rsub_29, sqrt_10, pow_11, rsub_28, div_15, neg_5, mul_17, div_16, select_2, div_17, add__11, addcdiv__5], Original ATen: [aten._to_copy, aten.add, aten.select, aten.mul, aten.rsub, aten.lerp, aten.sum, aten.view, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.addcdiv, aten.copy_]
 # Source node to ATen node mapping:
 #   _to_copy_5 => convert_element_type_5
 #   add__10 => add_4
-#   add__11 => add_9
+#   add__11 => add_8
 #   addcdiv__5 => addcdiv
-#   addcmul__5 => addcmul
-#   div_10 => div_4
-#   div_11 => div_5
-#   lerp__5 => add_8, sub_18
-#   mul_15 => mul_16
-#   mul_16 => mul_20
-#   mul_17 => mul_19
-#   mul__10 => mul_27
-#   mul__11 => mul_6
+#   addcmul__5 => addcmul_1
+#   div_15 => div_4
+#   div_16 => div_10
+#   div_17 => div_9
+#   lerp__5 => abs_1, addcmul, ge, neg_5, sub_30, sub_31, where, where_1
+#   mul_15 => mul_15
+#   mul_16 => mul_26
+#   mul_17 => mul_10
+#   mul__10 => mul_22
+#   mul__11 => mul_9
 #   neg_5 => neg_4
-#   pow_11 => pow_9
+#   pow_11 => pow_5
 #   pow_12 => pow_10
-#   reciprocal_5 => reciprocal_4
-#   rsub_15 => sub_10
-#   rsub_16 => sub_13
-#   rsub_17 => sub_14
+#   rsub_25 => sub_26
+#   rsub_26 => sub_9
+#   rsub_27 => sub_20
+#   rsub_28 => sub_10
+#   rsub_29 => sub_21
+#   select => select
+#   select_1 => select_1
+#   select_2 => select_2
+#   select_3 => select_3
 #   sqrt_10 => sqrt_4
 #   sqrt_11 => sqrt_5
 #   sum_1 => sum_1
 #   view => view
 # Graph fragment:
-#   %mul_28 : Tensor "f32[3, 2][2, 1]cpu" = PlaceHolder[target=mul_28]
+#   %mul_23 : Tensor "f32[3, 2][2, 1]cpu" = PlaceHolder[target=mul_23]
 #   %copy__5 : Tensor "f32[2][1]cpu" = PlaceHolder[target=copy__5]
 #   %arg26_1 : Tensor "f64[][]cpu" = PlaceHolder[target=arg26_1]
-#   %copy__22 : Tensor "f32[2][1]cpu" = PlaceHolder[target=copy__22]
+#   %arg27_1 : Tensor "f64[4][1]cpu" = PlaceHolder[target=arg27_1]
 #   %sum_1 : Tensor "f32[1, 2][2, 1]cpu" = PlaceHolder[target=sum_1]
+#   %copy__22 : Tensor "f32[2][1]cpu" = PlaceHolder[target=copy__22]
 #   %copy__23 : Tensor "f32[2][1]cpu" = PlaceHolder[target=copy__23]
 #   %copy__21 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__21]
-#   %addcdiv : Tensor "f32[2][1]cpu" = PlaceHolder[target=addcdiv]
-#   %addmm_1 : Tensor "f32[3, 2][2, 1]cpu" = PlaceHolder[target=addmm_1]
-#   %add_8 : Tensor "f32[2][1]cpu" = PlaceHolder[target=add_8]
 #   %addcmul : Tensor "f32[2][1]cpu" = PlaceHolder[target=addcmul]
+#   %addcdiv : Tensor "f32[2][1]cpu" = PlaceHolder[target=addcdiv]
+#   %addcmul_1 : Tensor "f32[2][1]cpu" = PlaceHolder[target=addcmul_1]
+#   %addmm_1 : Tensor "f32[3, 2][2, 1]cpu" = PlaceHolder[target=addmm_1]
 #   %convert_element_type_5 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg23_1, torch.float64), kwargs = {})
 #   %add_4 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type_5, 1), kwargs = {})
-#   %mul_16 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, 0.1), kwargs = {})
-#   %sub_10 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_16), kwargs = {})
-#   %mul_27 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg5_1, %sub_10), kwargs = {})
-#   %sum_1 : Tensor "f32[1, 2][2, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_28, [0], True), kwargs = {})
-#   %view : Tensor "f32[2][1]cpu"[num_users=3] = call_function[target=torch.ops.aten.reshape.default](args = (%sum_1, [2]), kwargs = {})
-#   %sub_18 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%view, %arg24_1), kwargs = {})
-#   %add_8 : Tensor "f32[2][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.add.Tensor](args = (%arg24_1, %sub_18), kwargs = {alpha: 0.09999999999999998})
-#   %mul_6 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg25_1, 0.999), kwargs = {})
-#   %addcmul : Tensor "f32[2][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_6, %view, %view), kwargs = {value: 0.0010000000000000009})
-#   %sqrt_5 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul,), kwargs = {})
-#   %pow_10 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.999, %add_4), kwargs = {})
-#   %sub_14 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_10), kwargs = {})
-#   %sqrt_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_14,), kwargs = {})
-#   %pow_9 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.9, %add_4), kwargs = {})
-#   %sub_13 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_9), kwargs = {})
-#   %div_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_13), kwargs = {})
+#   %select_3 : Tensor "f64[][]cpu"[num_users=6] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 3), kwargs = {})
+#   %mul_15 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, %select_3), kwargs = {})
+#   %sub_26 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_15), kwargs = {})
+#   %mul_22 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg5_1, %sub_26), kwargs = {})
+#   %select : Tensor "f64[][]cpu"[num_users=12] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 0), kwargs = {})
+#   %sub_9 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select), kwargs = {})
+#   %abs_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.abs.default](args = (%sub_9,), kwargs = {})
+#   %ge : Tensor "b8[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.ge.Scalar](args = (%abs_1, 0.5), kwargs = {})
+#   %sum_1 : Tensor "f32[1, 2][2, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_23, [0], True), kwargs = {})
+#   %view : Tensor "f32[2][1]cpu"[num_users=5] = call_function[target=torch.ops.aten.reshape.default](args = (%sum_1, [2]), kwargs = {})
+#   %where_1 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge, %view, %arg24_1), kwargs = {})
+#   %sub_31 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1.0, %sub_9), kwargs = {})
+#   %neg_5 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.neg.default](args = (%sub_31,), kwargs = {})
+#   %where : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge, %neg_5, %sub_9), kwargs = {})
+#   %sub_30 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%view, %arg24_1), kwargs = {})
+#   %addcmul : Tensor "f32[2][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%where_1, %where, %sub_30), kwargs = {})
+#   %select_1 : Tensor "f64[][]cpu"[num_users=18] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 1), kwargs = {})
+#   %mul_9 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg25_1, %select_1), kwargs = {})
+#   %sub_20 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select_1), kwargs = {})
+#   %mul_26 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%view, %sub_20), kwargs = {})
+#   %addcmul_1 : Tensor "f32[2][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_9, %mul_26, %view), kwargs = {})
+#   %sqrt_5 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_1,), kwargs = {})
+#   %pow_10 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select_1, %add_4), kwargs = {})
+#   %sub_21 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_10), kwargs = {})
+#   %sqrt_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_21,), kwargs = {})
+#   %pow_5 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select, %add_4), kwargs = {})
+#   %sub_10 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_5), kwargs = {})
+#   %div_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_10), kwargs = {})
 #   %neg_4 : Tensor "f64[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.neg.default](args = (%div_4,), kwargs = {})
-#   %mul_20 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_4, %neg_4), kwargs = {})
-#   %div_5 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_5, %mul_20), kwargs = {})
-#   %reciprocal_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.reciprocal.default](args = (%neg_4,), kwargs = {})
-#   %mul_19 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%reciprocal_4, 1e-08), kwargs = {})
-#   %add_9 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_5, %mul_19), kwargs = {})
-#   %addcdiv : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_27, %add_8, %add_9), kwargs = {})
+#   %mul_10 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_4, %neg_4), kwargs = {})
+#   %div_10 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_5, %mul_10), kwargs = {})
+#   %select_2 : Tensor "f64[][]cpu"[num_users=6] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 2), kwargs = {})
+#   %div_9 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%select_2, %neg_4), kwargs = {})
+#   %add_8 : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_10, %div_9), kwargs = {})
+#   %addcdiv : Tensor "f32[2][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_22, %addcmul, %add_8), kwargs = {})
 #   %copy__5 : Tensor "f32[2][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg5_1, %addcdiv), kwargs = {})
-#   %copy__22 : Tensor "f32[2][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg24_1, %add_8), kwargs = {})
-#   %copy__23 : Tensor "f32[2][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg25_1, %addcmul), kwargs = {})
-#   return %sum_1,%addcdiv,%add_8,%addcmul,%buf43,%buf177,%buf181
-triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_2 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_2', '''
+#   %copy__22 : Tensor "f32[2][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg24_1, %addcmul), kwargs = {})
+#   %copy__23 : Tensor "f32[2][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg25_1, %addcmul_1), kwargs = {})
+#   return %sum_1,%addcdiv,%addcmul,%addcmul_1,%buf177,%buf181,%buf43
+triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_sum_view_2 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_sum_view_2', '''
 import triton
 import triton.language as tl
 
@@ -443,12 +462,12 @@ triton_helpers.set_driver_to_cpu()
 @triton_heuristics.pointwise(
     size_hints={'x': 2}, 
     filename=__file__,
-    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': '*fp32', 'in_ptr2': 'fp64', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'out_ptr0': '*fp32', 'out_ptr4': '*fp32', 'out_ptr5': '*fp32', 'out_ptr6': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(0,): [['tt.divisibility', 16]], (6,): [['tt.divisibility', 16]]}]},
-    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_2', 'mutated_arg_names': ['in_ptr1', 'in_ptr3', 'in_ptr4', 'out_ptr4', 'out_ptr5', 'out_ptr6'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 8, 'num_store': 4, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 28}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
+    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': '*fp32', 'in_ptr2': 'fp64', 'in_ptr3': '*fp64', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'in_ptr6': '*fp32', 'out_ptr0': '*fp32', 'out_ptr4': '*fp32', 'out_ptr5': '*fp32', 'out_ptr6': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(0,): [['tt.divisibility', 16]], (7,): [['tt.divisibility', 16]]}]},
+    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_sum_view_2', 'mutated_arg_names': ['in_ptr1', 'in_ptr4', 'in_ptr5', 'out_ptr4', 'out_ptr5', 'out_ptr6'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 12, 'num_store': 4, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 28}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
     min_elem_per_thread=0
 )
 @triton.jit
-def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_2(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, out_ptr0, out_ptr4, out_ptr5, out_ptr6, xnumel, XBLOCK : tl.constexpr):
+def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_sum_view_2(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, in_ptr6, out_ptr0, out_ptr4, out_ptr5, out_ptr6, xnumel, XBLOCK : tl.constexpr):
     xnumel = 2
     xoffset = tl.program_id(0) * XBLOCK
     xindex = xoffset + tl.arange(0, XBLOCK)[:]
@@ -459,68 +478,254 @@ def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rec
     tmp3 = tl.load(in_ptr0 + (4 + x0), xmask)
     tmp5 = tl.load(in_ptr1 + (x0), xmask)
     tmp6 = in_ptr2
-    tmp13 = tl.load(in_ptr3 + (x0), xmask)
-    tmp18 = tl.load(in_ptr4 + (x0), xmask)
-    tmp26 = tl.load(in_ptr5 + (0))
-    tmp27 = tl.broadcast_to(tmp26, [XBLOCK])
+    tmp7 = tl.load(in_ptr3 + (3))
+    tmp8 = tl.broadcast_to(tmp7, [XBLOCK])
+    tmp14 = tl.load(in_ptr3 + (0))
+    tmp15 = tl.broadcast_to(tmp14, [XBLOCK])
+    tmp20 = tl.load(in_ptr4 + (x0), xmask)
+    tmp31 = tl.load(in_ptr5 + (x0), xmask)
+    tmp32 = tl.load(in_ptr3 + (1))
+    tmp33 = tl.broadcast_to(tmp32, [XBLOCK])
+    tmp43 = tl.load(in_ptr6 + (0))
+    tmp44 = tl.broadcast_to(tmp43, [XBLOCK])
+    tmp57 = tl.load(in_ptr3 + (2))
+    tmp58 = tl.broadcast_to(tmp57, [XBLOCK])
     tmp2 = tmp0 + tmp1
     tmp4 = tmp2 + tmp3
-    tmp7 = tl.full([1], 0.1, tl.float64)
-    tmp8 = tmp6 * tmp7
-    tmp9 = tl.full([1], 1.0, tl.float64)
-    tmp10 = tmp9 - tmp8
-    tmp11 = tmp10.to(tl.float32)
-    tmp12 = tmp5 * tmp11
-    tmp14 = tmp4 - tmp13
-    tmp15 = tl.full([1], 0.09999999999999998, tl.float32)
-    tmp16 = tmp14 * tmp15
-    tmp17 = tmp13 + tmp16
-    tmp19 = tl.full([1], 0.999, tl.float32)
-    tmp20 = tmp18 * tmp19
-    tmp21 = tmp4 * tmp4
-    tmp22 = tl.full([1], 0.0010000000000000009, tl.float32)
-    tmp23 = tmp22 * tmp21
-    tmp24 = tmp20 + tmp23
-    tmp25 = tl.sqrt_rn(tmp24)
-    tmp28 = tmp27.to(tl.float64)
-    tmp29 = tmp28 + tmp9
-    tmp30 = tl.full([1], 0.999, tl.float64)
-    tmp31 = libdevice.pow(tmp30, tmp29)
-    tmp32 = tmp9 - tmp31
-    tmp33 = libdevice.sqrt(tmp32)
-    tmp34 = tl.full([1], 0.9, tl.float64)
-    tmp35 = libdevice.pow(tmp34, tmp29)
-    tmp36 = tmp9 - tmp35
-    tmp37 = (tmp6 / tmp36)
-    tmp38 = -tmp37
-    tmp39 = tmp33 * tmp38
-    tmp40 = tmp39.to(tl.float32)
-    tmp41 = (tmp25 / tmp40)
-    tmp42 = tl.full([1], 1.0, tl.float32)
-    tmp43 = (tmp42 / tmp38)
-    tmp44 = tl.full([1], 1e-08, tl.float64)
-    tmp45 = tmp43 * tmp44
-    tmp46 = tmp45.to(tl.float32)
-    tmp47 = tmp41 + tmp46
-    tmp48 = (tmp17 / tmp47)
-    tmp49 = tmp12 + tmp48
+    tmp9 = tmp6 * tmp8
+    tmp10 = tl.full([1], 1.0, tl.float64)
+    tmp11 = tmp10 - tmp9
+    tmp12 = tmp11.to(tl.float32)
+    tmp13 = tmp5 * tmp12
+    tmp16 = tmp10 - tmp15
+    tmp17 = tl_math.abs(tmp16)
+    tmp18 = tl.full([1], 0.5, tl.float64)
+    tmp19 = tmp17 >= tmp18
+    tmp21 = tl.where(tmp19, tmp4, tmp20)
+    tmp22 = tmp10 - tmp16
+    tmp23 = -tmp22
+    tmp24 = tl.where(tmp19, tmp23, tmp16)
+    tmp25 = tmp24.to(tl.float32)
+    tmp26 = tmp4 - tmp20
+    tmp27 = tmp25 * tmp26
+    tmp28 = tl.full([1], 1.0, tl.float32)
+    tmp29 = tmp28 * tmp27
+    tmp30 = tmp21 + tmp29
+    tmp34 = tmp33.to(tl.float32)
+    tmp35 = tmp31 * tmp34
+    tmp36 = tmp10 - tmp33
+    tmp37 = tmp36.to(tl.float32)
+    tmp38 = tmp4 * tmp37
+    tmp39 = tmp38 * tmp4
+    tmp40 = tmp28 * tmp39
+    tmp41 = tmp35 + tmp40
+    tmp42 = tl.sqrt_rn(tmp41)
+    tmp45 = tmp44.to(tl.float64)
+    tmp46 = tmp45 + tmp10
+    tmp47 = libdevice.pow(tmp33, tmp46)
+    tmp48 = tmp10 - tmp47
+    tmp49 = libdevice.sqrt(tmp48)
+    tmp50 = libdevice.pow(tmp15, tmp46)
+    tmp51 = tmp10 - tmp50
+    tmp52 = (tmp6 / tmp51)
+    tmp53 = -tmp52
+    tmp54 = tmp49 * tmp53
+    tmp55 = tmp54.to(tl.float32)
+    tmp56 = (tmp42 / tmp55)
+    tmp59 = (tmp58 / tmp53)
+    tmp60 = tmp59.to(tl.float32)
+    tmp61 = tmp56 + tmp60
+    tmp62 = (tmp30 / tmp61)
+    tmp63 = tmp13 + tmp62
     tl.store(out_ptr0 + (x0), tmp4, xmask)
-    tl.store(out_ptr4 + (x0), tmp49, xmask)
-    tl.store(out_ptr5 + (x0), tmp17, xmask)
-    tl.store(out_ptr6 + (x0), tmp24, xmask)
+    tl.store(out_ptr4 + (x0), tmp30, xmask)
+    tl.store(out_ptr5 + (x0), tmp41, xmask)
+    tl.store(out_ptr6 + (x0), tmp63, xmask)
+''', device_str='cpu')
+
+
+# kernel path: INDUCTOR-CACHE/KERNEL.py
+# Topologically Sorted Source Nodes: [_to_copy_4, add__8, select_3, select, select_1, select_2, mul_12, rsub_20, mul__8, rsub_21, lerp__4, mul__9, rsub_22, mul_13, addcmul__4, sqrt_9, pow_10, rsub_24, sqrt_8, pow_9, rsub_23, div_12, neg_4, mul_14, div_13, div_14, add__9, addcdiv__4], Original ATen: [aten._to_copy, aten.add, aten.select, aten.mul, aten.rsub, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.addcdiv, aten.copy_]
+# Source node to ATen node mapping:
+#   _to_copy_4 => convert_element_type_4
+#   add__8 => add_3
+#   add__9 => add_9
+#   addcdiv__4 => addcdiv_1
+#   addcmul__4 => addcmul_3
+#   div_12 => div_3
+#   div_13 => div_11
+#   div_14 => div_8
+#   lerp__4 => abs_2, addcmul_2, ge_1, neg_6, sub_32, sub_33, where_2, where_3
+#   mul_12 => mul_14
+#   mul_13 => mul_27
+#   mul_14 => mul_8
+#   mul__8 => mul_25
+#   mul__9 => mul_7
+#   neg_4 => neg_3
+#   pow_10 => pow_9
+#   pow_9 => pow_4
+#   rsub_20 => sub_25
+#   rsub_21 => sub_7
+#   rsub_22 => sub_18
+#   rsub_23 => sub_8
+#   rsub_24 => sub_19
+#   select => select
+#   select_1 => select_1
+#   select_2 => select_2
+#   select_3 => select_3
+#   sqrt_8 => sqrt_3
+#   sqrt_9 => sqrt_6
+# Graph fragment:
+#   %copy__4 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=copy__4]
+#   %arg26_1 : Tensor "f64[][]cpu" = PlaceHolder[target=arg26_1]
+#   %arg27_1 : Tensor "f64[4][1]cpu" = PlaceHolder[target=arg27_1]
+#   %mm_1 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=mm_1]
+#   %copy__19 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=copy__19]
+#   %copy__20 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=copy__20]
+#   %copy__18 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__18]
+#   %addcmul_2 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=addcmul_2]
+#   %addcdiv_1 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=addcdiv_1]
+#   %addcmul_3 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=addcmul_3]
+#   %addmm_1 : Tensor "f32[3, 2][2, 1]cpu" = PlaceHolder[target=addmm_1]
+#   %mm : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mm]
+#   %convert_element_type_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg20_1, torch.float64), kwargs = {})
+#   %add_3 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type_4, 1), kwargs = {})
+#   %select_3 : Tensor "f64[][]cpu"[num_users=6] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 3), kwargs = {})
+#   %select : Tensor "f64[][]cpu"[num_users=12] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 0), kwargs = {})
+#   %select_1 : Tensor "f64[][]cpu"[num_users=18] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 1), kwargs = {})
+#   %select_2 : Tensor "f64[][]cpu"[num_users=6] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 2), kwargs = {})
+#   %mul_14 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, %select_3), kwargs = {})
+#   %sub_25 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_14), kwargs = {})
+#   %mul_25 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg4_1, %sub_25), kwargs = {})
+#   %sub_7 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select), kwargs = {})
+#   %abs_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.abs.default](args = (%sub_7,), kwargs = {})
+#   %ge_1 : Tensor "b8[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.ge.Scalar](args = (%abs_2, 0.5), kwargs = {})
+#   %where_3 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_1, %mm_1, %arg21_1), kwargs = {})
+#   %sub_33 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1.0, %sub_7), kwargs = {})
+#   %neg_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.neg.default](args = (%sub_33,), kwargs = {})
+#   %where_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_1, %neg_6, %sub_7), kwargs = {})
+#   %sub_32 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%mm_1, %arg21_1), kwargs = {})
+#   %addcmul_2 : Tensor "f32[2, 8][8, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%where_3, %where_2, %sub_32), kwargs = {})
+#   %mul_7 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg22_1, %select_1), kwargs = {})
+#   %sub_18 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select_1), kwargs = {})
+#   %mul_27 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mm_1, %sub_18), kwargs = {})
+#   %addcmul_3 : Tensor "f32[2, 8][8, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_7, %mul_27, %mm_1), kwargs = {})
+#   %sqrt_6 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_3,), kwargs = {})
+#   %pow_9 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select_1, %add_3), kwargs = {})
+#   %sub_19 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_9), kwargs = {})
+#   %sqrt_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_19,), kwargs = {})
+#   %pow_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select, %add_3), kwargs = {})
+#   %sub_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_4), kwargs = {})
+#   %div_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_8), kwargs = {})
+#   %neg_3 : Tensor "f64[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.neg.default](args = (%div_3,), kwargs = {})
+#   %mul_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_3, %neg_3), kwargs = {})
+#   %div_11 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_6, %mul_8), kwargs = {})
+#   %div_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%select_2, %neg_3), kwargs = {})
+#   %add_9 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_11, %div_8), kwargs = {})
+#   %addcdiv_1 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_25, %addcmul_2, %add_9), kwargs = {})
+#   %copy__4 : Tensor "f32[2, 8][8, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg4_1, %addcdiv_1), kwargs = {})
+#   %copy__19 : Tensor "f32[2, 8][8, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg21_1, %addcmul_2), kwargs = {})
+#   %copy__20 : Tensor "f32[2, 8][8, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg22_1, %addcmul_3), kwargs = {})
+#   return %addcdiv_1,%addcmul_2,%addcmul_3,%buf154,%buf158,%buf41
+triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_3 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_3', '''
+import triton
+import triton.language as tl
+
+from torch._inductor.runtime import triton_helpers, triton_heuristics
+from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math
+from torch._inductor.runtime.hints import AutotuneHint, ReductionHint, TileHint, DeviceProperties
+triton_helpers.set_driver_to_cpu()
+
+@triton_heuristics.pointwise(
+    size_hints={'x': 16}, 
+    filename=__file__,
+    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': 'fp64', 'in_ptr2': '*fp64', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'in_ptr6': '*fp32', 'out_ptr3': '*fp32', 'out_ptr4': '*fp32', 'out_ptr5': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(3,): [['tt.divisibility', 16]], (10,): [['tt.divisibility', 16]]}]},
+    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_3', 'mutated_arg_names': ['in_ptr0', 'in_ptr4', 'in_ptr5', 'out_ptr3', 'out_ptr4', 'out_ptr5'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 10, 'num_store': 3, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 640}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
+    min_elem_per_thread=0
+)
+@triton.jit
+def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_3(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, in_ptr6, out_ptr3, out_ptr4, out_ptr5, xnumel, XBLOCK : tl.constexpr):
+    xnumel = 16
+    xoffset = tl.program_id(0) * XBLOCK
+    xindex = xoffset + tl.arange(0, XBLOCK)[:]
+    xmask = xindex < xnumel
+    x0 = xindex
+    tmp0 = tl.load(in_ptr0 + (x0), xmask)
+    tmp1 = in_ptr1
+    tmp2 = tl.load(in_ptr2 + (3))
+    tmp3 = tl.broadcast_to(tmp2, [XBLOCK])
+    tmp9 = tl.load(in_ptr2 + (0))
+    tmp10 = tl.broadcast_to(tmp9, [XBLOCK])
+    tmp15 = tl.load(in_ptr3 + (x0), xmask)
+    tmp16 = tl.load(in_ptr4 + (x0), xmask)
+    tmp27 = tl.load(in_ptr5 + (x0), xmask)
+    tmp28 = tl.load(in_ptr2 + (1))
+    tmp29 = tl.broadcast_to(tmp28, [XBLOCK])
+    tmp39 = tl.load(in_ptr6 + (0))
+    tmp40 = tl.broadcast_to(tmp39, [XBLOCK])
+    tmp53 = tl.load(in_ptr2 + (2))
+    tmp54 = tl.broadcast_to(tmp53, [XBLOCK])
+    tmp4 = tmp1 * tmp3
+    tmp5 = tl.full([1], 1.0, tl.float64)
+    tmp6 = tmp5 - tmp4
+    tmp7 = tmp6.to(tl.float32)
+    tmp8 = tmp0 * tmp7
+    tmp11 = tmp5 - tmp10
+    tmp12 = tl_math.abs(tmp11)
+    tmp13 = tl.full([1], 0.5, tl.float64)
+    tmp14 = tmp12 >= tmp13
+    tmp17 = tl.where(tmp14, tmp15, tmp16)
+    tmp18 = tmp5 - tmp11
+    tmp19 = -tmp18
+    tmp20 = tl.where(tmp14, tmp19, tmp11)
+    tmp21 = tmp20.to(tl.float32)
+    tmp22 = tmp15 - tmp16
+    tmp23 = tmp21 * tmp22
+    tmp24 = tl.full([1], 1.0, tl.float32)
+    tmp25 = tmp24 * tmp23
+    tmp26 = tmp17 + tmp25
+    tmp30 = tmp29.to(tl.float32)
+    tmp31 = tmp27 * tmp30
+    tmp32 = tmp5 - tmp29
+    tmp33 = tmp32.to(tl.float32)
+    tmp34 = tmp15 * tmp33
+    tmp35 = tmp34 * tmp15
+    tmp36 = tmp24 * tmp35
+    tmp37 = tmp31 + tmp36
+    tmp38 = tl.sqrt_rn(tmp37)
+    tmp41 = tmp40.to(tl.float64)
+    tmp42 = tmp41 + tmp5
+    tmp43 = libdevice.pow(tmp29, tmp42)
+    tmp44 = tmp5 - tmp43
+    tmp45 = libdevice.sqrt(tmp44)
+    tmp46 = libdevice.pow(tmp10, tmp42)
+    tmp47 = tmp5 - tmp46
+    tmp48 = (tmp1 / tmp47)
+    tmp49 = -tmp48
+    tmp50 = tmp45 * tmp49
+    tmp51 = tmp50.to(tl.float32)
+    tmp52 = (tmp38 / tmp51)
+    tmp55 = (tmp54 / tmp49)
+    tmp56 = tmp55.to(tl.float32)
+    tmp57 = tmp52 + tmp56
+    tmp58 = (tmp26 / tmp57)
+    tmp59 = tmp8 + tmp58
+    tl.store(out_ptr3 + (x0), tmp26, xmask)
+    tl.store(out_ptr4 + (x0), tmp37, xmask)
+    tl.store(out_ptr5 + (x0), tmp59, xmask)
 ''', device_str='cpu')
 
 
 # kernel path: INDUCTOR-CACHE/KERNEL.py
 # Topologically Sorted Source Nodes: [native_layer_norm, gelu_backward, native_layer_norm_backward], Original ATen: [aten.native_layer_norm, aten.gelu_backward, aten.native_layer_norm_backward]
 # Source node to ATen node mapping:
-#   gelu_backward => add_12, add_13, erf_1, exp, mul_31, mul_32, mul_33, mul_34, mul_35, mul_36, mul_37
+#   gelu_backward => add_10, add_11, erf_1, exp, mul_28, mul_29, mul_30, mul_31, mul_32, mul_33, mul_34
 #   native_layer_norm => add_5, rsqrt, var_mean
-#   native_layer_norm_backward => div_7, mul_38, mul_39, mul_40, mul_41, mul_42, mul_43, sub_20, sub_21, sub_22, sum_2, sum_3
+#   native_layer_norm_backward => div_12, mul_35, mul_36, mul_37, mul_38, mul_39, mul_40, sub_34, sub_35, sub_36, sum_2, sum_3
 # Graph fragment:
 #   %mm : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mm]
 #   %add_6 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=add_6]
-#   %mul_37 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mul_37]
+#   %mul_34 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mul_34]
 #   %copy__2 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__2]
 #   %addmm : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=addmm]
 #   %getitem_1 : Tensor "f32[3, 1][1, 3]cpu" = PlaceHolder[target=getitem_1]
@@ -530,31 +735,31 @@ def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rec
 #   %var_mean : [num_users=2] = call_function[target=torch.ops.aten.var_mean.correction](args = (%addmm, [1]), kwargs = {correction: 0, keepdim: True})
 #   %add_5 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%getitem, 1e-05), kwargs = {})
 #   %rsqrt : Tensor "f32[3, 1][1, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.rsqrt.default](args = (%add_5,), kwargs = {})
-#   %mul_31 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, 0.7071067811865476), kwargs = {})
-#   %erf_1 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.erf.default](args = (%mul_31,), kwargs = {})
-#   %add_12 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%erf_1, 1), kwargs = {})
-#   %mul_32 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_12, 0.5), kwargs = {})
-#   %mul_33 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, %add_6), kwargs = {})
-#   %mul_34 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_33, -0.5), kwargs = {})
-#   %exp : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.exp.default](args = (%mul_34,), kwargs = {})
-#   %mul_35 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%exp, 0.3989422804014327), kwargs = {})
-#   %mul_36 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, %mul_35), kwargs = {})
-#   %add_13 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul_32, %mul_36), kwargs = {})
-#   %mul_37 : Tensor "f32[3, 8][8, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mm, %add_13), kwargs = {})
-#   %sub_20 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm, %getitem_1), kwargs = {})
-#   %mul_38 : Tensor "f32[3, 8][8, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sub_20, %rsqrt), kwargs = {})
-#   %div_7 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%rsqrt, 8), kwargs = {})
-#   %mul_39 : Tensor "f32[3, 8][8, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_37, %arg2_1), kwargs = {})
-#   %mul_40 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_39, 8), kwargs = {})
-#   %sum_2 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_39, [1], True), kwargs = {})
-#   %sub_21 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%mul_40, %sum_2), kwargs = {})
-#   %mul_41 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_39, %mul_38), kwargs = {})
-#   %sum_3 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_41, [1], True), kwargs = {})
-#   %mul_42 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_38, %sum_3), kwargs = {})
-#   %sub_22 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%sub_21, %mul_42), kwargs = {})
-#   %mul_43 : Tensor "f32[3, 8][8, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.mul.Tensor](args = (%div_7, %sub_22), kwargs = {})
-#   return %mul_37,%sum_2,%sum_3,%mul_43
-triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_3 = async_compile.triton('triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_3', '''
+#   %mul_28 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, 0.7071067811865476), kwargs = {})
+#   %erf_1 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.erf.default](args = (%mul_28,), kwargs = {})
+#   %add_10 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%erf_1, 1), kwargs = {})
+#   %mul_29 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_10, 0.5), kwargs = {})
+#   %mul_30 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, %add_6), kwargs = {})
+#   %mul_31 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_30, -0.5), kwargs = {})
+#   %exp : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.exp.default](args = (%mul_31,), kwargs = {})
+#   %mul_32 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%exp, 0.3989422804014327), kwargs = {})
+#   %mul_33 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%add_6, %mul_32), kwargs = {})
+#   %add_11 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul_29, %mul_33), kwargs = {})
+#   %mul_34 : Tensor "f32[3, 8][8, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mm, %add_11), kwargs = {})
+#   %sub_34 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm, %getitem_1), kwargs = {})
+#   %mul_35 : Tensor "f32[3, 8][8, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sub_34, %rsqrt), kwargs = {})
+#   %div_12 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%rsqrt, 8), kwargs = {})
+#   %mul_36 : Tensor "f32[3, 8][8, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_34, %arg2_1), kwargs = {})
+#   %mul_37 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_36, 8), kwargs = {})
+#   %sum_2 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_36, [1], True), kwargs = {})
+#   %sub_35 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%mul_37, %sum_2), kwargs = {})
+#   %mul_38 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_36, %mul_35), kwargs = {})
+#   %sum_3 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_38, [1], True), kwargs = {})
+#   %mul_39 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_35, %sum_3), kwargs = {})
+#   %sub_36 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%sub_35, %mul_39), kwargs = {})
+#   %mul_40 : Tensor "f32[3, 8][8, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.mul.Tensor](args = (%div_12, %sub_36), kwargs = {})
+#   return %mul_34,%sum_2,%sum_3,%mul_40
+triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_4 = async_compile.triton('triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_4', '''
 import triton
 import triton.language as tl
 
@@ -567,11 +772,11 @@ triton_helpers.set_driver_to_cpu()
     size_hints={'x': 4, 'r0_': 8},
     reduction_hint=ReductionHint.INNER,
     filename=__file__,
-    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': '*fp32', 'in_ptr2': '*fp32', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'out_ptr0': '*fp32', 'out_ptr3': '*fp32', 'xnumel': 'i32', 'r0_numel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(0,): [['tt.divisibility', 16]], (1,): [['tt.divisibility', 16]], (3,): [['tt.divisibility', 16]], (4,): [['tt.divisibility', 16]], (5,): [['tt.divisibility', 16]], (6,): [['tt.divisibility', 16]], (7,): [['tt.divisibility', 16]]}]},
-    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_3', 'mutated_arg_names': [], 'optimize_mem': True, 'no_x_dim': None, 'atomic_add_found': False, 'num_load': 6, 'num_store': 2, 'num_reduction': 2, 'autotune_hints': set(), 'tiling_scores': {'x': 9, 'r0_': 704}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False}
+    triton_meta={'signature': {'in_out_ptr0': '*fp32', 'in_ptr0': '*fp32', 'in_ptr1': '*fp32', 'in_ptr2': '*fp32', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'out_ptr2': '*fp32', 'xnumel': 'i32', 'r0_numel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(0,): [['tt.divisibility', 16]], (1,): [['tt.divisibility', 16]], (3,): [['tt.divisibility', 16]], (4,): [['tt.divisibility', 16]], (5,): [['tt.divisibility', 16]], (6,): [['tt.divisibility', 16]]}]},
+    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_4', 'mutated_arg_names': ['in_out_ptr0'], 'optimize_mem': True, 'no_x_dim': None, 'atomic_add_found': False, 'num_load': 6, 'num_store': 2, 'num_reduction': 2, 'autotune_hints': set(), 'tiling_scores': {'x': 9, 'r0_': 704}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False}
 )
 @triton.jit
-def triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_3(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, out_ptr0, out_ptr3, xnumel, r0_numel, XBLOCK : tl.constexpr):
+def triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_4(in_out_ptr0, in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, out_ptr2, xnumel, r0_numel, XBLOCK : tl.constexpr):
     xnumel = 3
     r0_numel = 8
     R0_BLOCK: tl.constexpr = 8
@@ -587,12 +792,12 @@ def triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_
     rindex = r0_index
     r0_1 = r0_index
     x0 = xindex
-    tmp0 = tl.load(in_ptr0 + (r0_1 + 8*x0), r0_mask & xmask, eviction_policy='evict_first', other=0.0)
-    tmp1 = tl.load(in_ptr1 + (r0_1 + 8*x0), r0_mask & xmask, eviction_policy='evict_first', other=0.0)
-    tmp18 = tl.load(in_ptr2 + (r0_1), r0_mask, eviction_policy='evict_last', other=0.0)
-    tmp24 = tl.load(in_ptr3 + (r0_1 + 8*x0), r0_mask & xmask, eviction_policy='evict_first', other=0.0)
-    tmp25 = tl.load(in_ptr4 + (x0), xmask, eviction_policy='evict_last')
-    tmp27 = tl.load(in_ptr5 + (x0), xmask, eviction_policy='evict_last')
+    tmp0 = tl.load(in_out_ptr0 + (r0_1 + 8*x0), r0_mask & xmask, eviction_policy='evict_first', other=0.0)
+    tmp1 = tl.load(in_ptr0 + (r0_1 + 8*x0), r0_mask & xmask, eviction_policy='evict_first', other=0.0)
+    tmp18 = tl.load(in_ptr1 + (r0_1), r0_mask, eviction_policy='evict_last', other=0.0)
+    tmp24 = tl.load(in_ptr2 + (r0_1 + 8*x0), r0_mask & xmask, eviction_policy='evict_first', other=0.0)
+    tmp25 = tl.load(in_ptr3 + (x0), xmask, eviction_policy='evict_last')
+    tmp27 = tl.load(in_ptr4 + (x0), xmask, eviction_policy='evict_last')
     tmp2 = tl.full([1, 1], 0.7071067811865476, tl.float32)
     tmp3 = tmp1 * tmp2
     tmp4 = libdevice.erf(tmp3)
@@ -630,86 +835,131 @@ def triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_
     tmp42 = tmp33 * tmp38
     tmp43 = tmp41 - tmp42
     tmp44 = tmp39 * tmp43
-    tl.store(out_ptr0 + (r0_1 + 8*x0), tmp17, r0_mask & xmask)
-    tl.store(out_ptr3 + (r0_1 + 8*x0), tmp44, r0_mask & xmask)
+    tl.store(in_out_ptr0 + (r0_1 + 8*x0), tmp17, r0_mask & xmask)
+    tl.store(out_ptr2 + (r0_1 + 8*x0), tmp44, r0_mask & xmask)
 ''', device_str='cpu')
 
 
 # kernel path: INDUCTOR-CACHE/KERNEL.py
-# Topologically Sorted Source Nodes: [_to_copy_2, add__4, _to_copy_3, add__6, native_layer_norm, mul_6, rsub_6, mul__4, native_layer_norm_backward, lerp__2, mul__5, addcmul__2, sqrt_5, pow_6, rsub_8, sqrt_4, pow_5, rsub_7, div_4, neg_2, mul_7, div_5, reciprocal_2, mul_8, add__5, addcdiv__2, mul_9, rsub_9, mul__6, lerp__3, mul__7, addcmul__3, sqrt_7, pow_8, rsub_11, sqrt_6, pow_7, rsub_10, div_6, neg_3, mul_10, div_7, reciprocal_3, mul_11, add__7, addcdiv__3], Original ATen: [aten._to_copy, aten.add, aten.native_layer_norm, aten.mul, aten.rsub, aten.native_layer_norm_backward, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
+# Topologically Sorted Source Nodes: [_to_copy_1, add__2, _to_copy_2, add__4, _to_copy_3, add__6, native_layer_norm, select_3, select, select_1, select_2, mul_6, rsub_10, mul__4, rsub_11, lerp__2, native_layer_norm_backward, mul__5, rsub_12, mul_7, addcmul__2, sqrt_5, pow_6, rsub_14, sqrt_4, pow_5, rsub_13, div_6, neg_2, mul_8, div_7, div_8, add__5, addcdiv__2, mul_9, rsub_15, mul__6, rsub_16, lerp__3, mul__7, rsub_17, mul_10, addcmul__3, sqrt_7, pow_8, rsub_19, sqrt_6, pow_7, rsub_18, div_9, neg_3, mul_11, div_10, div_11, add__7, addcdiv__3, mul_3, rsub_5, mul__2, rsub_6, lerp__1, sum_2, view_1, mul__3, rsub_7, mul_4, addcmul__1, sqrt_3, pow_4, rsub_9, sqrt_2, pow_3, rsub_8, div_3, neg_1, mul_5, div_4, div_5, add__3, addcdiv__1], Original ATen: [aten._to_copy, aten.add, aten.native_layer_norm, aten.select, aten.mul, aten.rsub, aten.lerp, aten.native_layer_norm_backward, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.addcdiv, aten.sum, aten.view, aten.copy_]
 # Source node to ATen node mapping:
+#   _to_copy_1 => convert_element_type_1
 #   _to_copy_2 => convert_element_type_2
 #   _to_copy_3 => convert_element_type_3
+#   add__2 => add
+#   add__3 => add_14
 #   add__4 => add_1
-#   add__5 => add_15
+#   add__5 => add_12
 #   add__6 => add_2
-#   add__7 => add_17
+#   add__7 => add_13
+#   addcdiv__1 => addcdiv_4
 #   addcdiv__2 => addcdiv_2
 #   addcdiv__3 => addcdiv_3
-#   addcmul__2 => addcmul_2
-#   addcmul__3 => addcmul_3
-#   div_4 => div_1
-#   div_5 => div_8
-#   div_6 => div_2
-#   div_7 => div_9
-#   lerp__2 => add_14, sub_23
-#   lerp__3 => add_16, sub_24
-#   mul_10 => mul_15
-#   mul_11 => mul_14
-#   mul_6 => mul_7
-#   mul_7 => mul_12
-#   mul_8 => mul_11
-#   mul_9 => mul_10
-#   mul__4 => mul_45
+#   addcmul__1 => addcmul_9
+#   addcmul__2 => addcmul_5
+#   addcmul__3 => addcmul_7
+#   div_10 => div_14
+#   div_11 => div_7
+#   div_3 => div
+#   div_4 => div_15
+#   div_5 => div_5
+#   div_6 => div_1
+#   div_7 => div_13
+#   div_8 => div_6
+#   div_9 => div_2
+#   lerp__1 => abs_5, addcmul_8, ge_4, neg_9, sub_41, sub_42, where_8, where_9
+#   lerp__2 => abs_3, addcmul_4, ge_2, neg_7, sub_37, sub_38, where_4, where_5
+#   lerp__3 => abs_4, addcmul_6, ge_3, neg_8, sub_39, sub_40, where_6, where_7
+#   mul_10 => mul_45
+#   mul_11 => mul_6
+#   mul_3 => mul_11
+#   mul_4 => mul_46
+#   mul_5 => mul_2
+#   mul_6 => mul_12
+#   mul_7 => mul_44
+#   mul_8 => mul_4
+#   mul_9 => mul_13
+#   mul__2 => mul_16
+#   mul__3 => mul_1
+#   mul__4 => mul_42
 #   mul__5 => mul_3
-#   mul__6 => mul_46
-#   mul__7 => mul_4
+#   mul__6 => mul_43
+#   mul__7 => mul_5
 #   native_layer_norm => add_5, rsqrt, var_mean
-#   native_layer_norm_backward => mul_38, mul_44, sub_20, sum_4, sum_5
+#   native_layer_norm_backward => mul_35, mul_41, sub_34, sum_4, sum_5
+#   neg_1 => neg
 #   neg_2 => neg_1
 #   neg_3 => neg_2
-#   pow_5 => pow_3
-#   pow_6 => pow_4
-#   pow_7 => pow_5
-#   pow_8 => pow_6
-#   reciprocal_2 => reciprocal_1
-#   reciprocal_3 => reciprocal_2
-#   rsub_10 => sub_8
-#   rsub_11 => sub_9
+#   pow_3 => pow_1
+#   pow_4 => pow_6
+#   pow_5 => pow_2
+#   pow_6 => pow_7
+#   pow_7 => pow_3
+#   pow_8 => pow_8
+#   rsub_10 => sub_23
+#   rsub_11 => sub_3
+#   rsub_12 => sub_14
+#   rsub_13 => sub_4
+#   rsub_14 => sub_15
+#   rsub_15 => sub_24
+#   rsub_16 => sub_5
+#   rsub_17 => sub_16
+#   rsub_18 => sub_6
+#   rsub_19 => sub_17
+#   rsub_5 => sub_22
 #   rsub_6 => sub_1
-#   rsub_7 => sub_5
-#   rsub_8 => sub_6
-#   rsub_9 => sub_4
+#   rsub_7 => sub_12
+#   rsub_8 => sub_2
+#   rsub_9 => sub_13
+#   select => select
+#   select_1 => select_1
+#   select_2 => select_2
+#   select_3 => select_3
+#   sqrt_2 => sqrt
+#   sqrt_3 => sqrt_9
 #   sqrt_4 => sqrt_1
 #   sqrt_5 => sqrt_7
 #   sqrt_6 => sqrt_2
 #   sqrt_7 => sqrt_8
+#   sum_2 => sum_6
+#   view_1 => view_1
 # Graph fragment:
-#   %mul_37 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mul_37]
+#   %mul_40 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mul_40]
+#   %mul_34 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mul_34]
 #   %addmm : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=addmm]
 #   %getitem_1 : Tensor "f32[3, 1][1, 3]cpu" = PlaceHolder[target=getitem_1]
 #   %buf3 : Tensor "f32[3, 1][1, 3]cpu" = PlaceHolder[target=buf3]
 #   %copy__2 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__2]
 #   %arg26_1 : Tensor "f64[][]cpu" = PlaceHolder[target=arg26_1]
-#   %copy__13 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__13]
+#   %arg27_1 : Tensor "f64[4][1]cpu" = PlaceHolder[target=arg27_1]
 #   %sum_4 : Tensor "f32[8][1]cpu" = PlaceHolder[target=sum_4]
+#   %copy__13 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__13]
 #   %copy__14 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__14]
 #   %copy__12 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__12]
+#   %copy__3 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__3]
+#   %sum_5 : Tensor "f32[8][1]cpu" = PlaceHolder[target=sum_5]
+#   %copy__16 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__16]
+#   %copy__17 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__17]
+#   %copy__15 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__15]
+#   %copy__1 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__1]
+#   %sum_6 : Tensor "f32[1, 8][8, 1]cpu" = PlaceHolder[target=sum_6]
+#   %copy__10 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__10]
+#   %copy__11 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__11]
+#   %copy__9 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__9]
+#   %addcmul_4 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_4]
 #   %addcdiv_2 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcdiv_2]
+#   %addcmul_5 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_5]
+#   %addcmul_6 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_6]
+#   %addcdiv_3 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcdiv_3]
+#   %addcmul_7 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_7]
+#   %addcmul_8 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_8]
+#   %addcdiv_4 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcdiv_4]
+#   %addcmul_9 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_9]
 #   %add_6 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=add_6]
 #   %sum_2 : Tensor "f32[3, 1][1, 3]cpu" = PlaceHolder[target=sum_2]
 #   %sum_3 : Tensor "f32[3, 1][1, 3]cpu" = PlaceHolder[target=sum_3]
-#   %mul_43 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mul_43]
-#   %add_14 : Tensor "f32[8][1]cpu" = PlaceHolder[target=add_14]
-#   %addcmul_2 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_2]
-#   %copy__3 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__3]
-#   %copy__16 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__16]
-#   %sum_5 : Tensor "f32[8][1]cpu" = PlaceHolder[target=sum_5]
-#   %copy__17 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__17]
-#   %copy__15 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__15]
-#   %addcdiv_3 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcdiv_3]
-#   %add_16 : Tensor "f32[8][1]cpu" = PlaceHolder[target=add_16]
-#   %addcmul_3 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_3]
+#   %convert_element_type_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg11_1, torch.float64), kwargs = {})
+#   %add : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type_1, 1), kwargs = {})
 #   %convert_element_type_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg14_1, torch.float64), kwargs = {})
 #   %add_1 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type_2, 1), kwargs = {})
 #   %convert_element_type_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg17_1, torch.float64), kwargs = {})
@@ -717,282 +967,115 @@ def triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_
 #   %var_mean : [num_users=2] = call_function[target=torch.ops.aten.var_mean.correction](args = (%addmm, [1]), kwargs = {correction: 0, keepdim: True})
 #   %add_5 : Tensor "f32[3, 1][1, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%getitem, 1e-05), kwargs = {})
 #   %rsqrt : Tensor "f32[3, 1][1, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.rsqrt.default](args = (%add_5,), kwargs = {})
-#   %mul_7 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, 0.1), kwargs = {})
-#   %sub_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_7), kwargs = {})
-#   %mul_45 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg2_1, %sub_1), kwargs = {})
-#   %sub_20 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm, %getitem_1), kwargs = {})
-#   %mul_38 : Tensor "f32[3, 8][8, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sub_20, %rsqrt), kwargs = {})
-#   %mul_44 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_37, %mul_38), kwargs = {})
-#   %sum_4 : Tensor "f32[8][1]cpu"[num_users=3] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_44, [0]), kwargs = {})
-#   %sub_23 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%sum_4, %arg15_1), kwargs = {})
-#   %add_14 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.add.Tensor](args = (%arg15_1, %sub_23), kwargs = {alpha: 0.09999999999999998})
-#   %mul_3 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg16_1, 0.999), kwargs = {})
-#   %addcmul_2 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_3, %sum_4, %sum_4), kwargs = {value: 0.0010000000000000009})
-#   %sqrt_7 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_2,), kwargs = {})
-#   %pow_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.999, %add_1), kwargs = {})
-#   %sub_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_4), kwargs = {})
-#   %sqrt_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_6,), kwargs = {})
-#   %pow_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.9, %add_1), kwargs = {})
-#   %sub_5 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_3), kwargs = {})
-#   %div_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_5), kwargs = {})
+#   %select_3 : Tensor "f64[][]cpu"[num_users=6] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 3), kwargs = {})
+#   %select : Tensor "f64[][]cpu"[num_users=12] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 0), kwargs = {})
+#   %select_1 : Tensor "f64[][]cpu"[num_users=18] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 1), kwargs = {})
+#   %select_2 : Tensor "f64[][]cpu"[num_users=6] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 2), kwargs = {})
+#   %mul_12 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, %select_3), kwargs = {})
+#   %sub_23 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_12), kwargs = {})
+#   %mul_42 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg2_1, %sub_23), kwargs = {})
+#   %sub_3 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select), kwargs = {})
+#   %abs_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.abs.default](args = (%sub_3,), kwargs = {})
+#   %ge_2 : Tensor "b8[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.ge.Scalar](args = (%abs_3, 0.5), kwargs = {})
+#   %sub_34 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%addmm, %getitem_1), kwargs = {})
+#   %mul_35 : Tensor "f32[3, 8][8, 1]cpu"[num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sub_34, %rsqrt), kwargs = {})
+#   %mul_41 : Tensor "f32[3, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_34, %mul_35), kwargs = {})
+#   %sum_4 : Tensor "f32[8][1]cpu"[num_users=5] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_41, [0]), kwargs = {})
+#   %where_5 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_2, %sum_4, %arg15_1), kwargs = {})
+#   %sub_38 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1.0, %sub_3), kwargs = {})
+#   %neg_7 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.neg.default](args = (%sub_38,), kwargs = {})
+#   %where_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_2, %neg_7, %sub_3), kwargs = {})
+#   %sub_37 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%sum_4, %arg15_1), kwargs = {})
+#   %addcmul_4 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%where_5, %where_4, %sub_37), kwargs = {})
+#   %mul_3 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg16_1, %select_1), kwargs = {})
+#   %sub_14 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select_1), kwargs = {})
+#   %mul_44 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sum_4, %sub_14), kwargs = {})
+#   %addcmul_5 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_3, %mul_44, %sum_4), kwargs = {})
+#   %sqrt_7 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_5,), kwargs = {})
+#   %pow_7 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select_1, %add_1), kwargs = {})
+#   %sub_15 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_7), kwargs = {})
+#   %sqrt_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_15,), kwargs = {})
+#   %pow_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select, %add_1), kwargs = {})
+#   %sub_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_2), kwargs = {})
+#   %div_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_4), kwargs = {})
 #   %neg_1 : Tensor "f64[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.neg.default](args = (%div_1,), kwargs = {})
-#   %mul_12 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_1, %neg_1), kwargs = {})
-#   %div_8 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_7, %mul_12), kwargs = {})
-#   %reciprocal_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.reciprocal.default](args = (%neg_1,), kwargs = {})
-#   %mul_11 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%reciprocal_1, 1e-08), kwargs = {})
-#   %add_15 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_8, %mul_11), kwargs = {})
-#   %addcdiv_2 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_45, %add_14, %add_15), kwargs = {})
-#   %mul_10 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, 0.1), kwargs = {})
-#   %sub_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_10), kwargs = {})
-#   %mul_46 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg3_1, %sub_4), kwargs = {})
-#   %sum_5 : Tensor "f32[8][1]cpu"[num_users=3] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_37, [0]), kwargs = {})
-#   %sub_24 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%sum_5, %arg18_1), kwargs = {})
-#   %add_16 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.add.Tensor](args = (%arg18_1, %sub_24), kwargs = {alpha: 0.09999999999999998})
-#   %mul_4 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg19_1, 0.999), kwargs = {})
-#   %addcmul_3 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_4, %sum_5, %sum_5), kwargs = {value: 0.0010000000000000009})
-#   %sqrt_8 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_3,), kwargs = {})
-#   %pow_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.999, %add_2), kwargs = {})
-#   %sub_9 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_6), kwargs = {})
-#   %sqrt_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_9,), kwargs = {})
-#   %pow_5 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.9, %add_2), kwargs = {})
-#   %sub_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_5), kwargs = {})
-#   %div_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_8), kwargs = {})
+#   %mul_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_1, %neg_1), kwargs = {})
+#   %div_13 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_7, %mul_4), kwargs = {})
+#   %div_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%select_2, %neg_1), kwargs = {})
+#   %add_12 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_13, %div_6), kwargs = {})
+#   %addcdiv_2 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_42, %addcmul_4, %add_12), kwargs = {})
+#   %mul_13 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, %select_3), kwargs = {})
+#   %sub_24 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_13), kwargs = {})
+#   %mul_43 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg3_1, %sub_24), kwargs = {})
+#   %sub_5 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select), kwargs = {})
+#   %abs_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.abs.default](args = (%sub_5,), kwargs = {})
+#   %ge_3 : Tensor "b8[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.ge.Scalar](args = (%abs_4, 0.5), kwargs = {})
+#   %sum_5 : Tensor "f32[8][1]cpu"[num_users=5] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_34, [0]), kwargs = {})
+#   %where_7 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_3, %sum_5, %arg18_1), kwargs = {})
+#   %sub_40 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1.0, %sub_5), kwargs = {})
+#   %neg_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.neg.default](args = (%sub_40,), kwargs = {})
+#   %where_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_3, %neg_8, %sub_5), kwargs = {})
+#   %sub_39 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%sum_5, %arg18_1), kwargs = {})
+#   %addcmul_6 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%where_7, %where_6, %sub_39), kwargs = {})
+#   %mul_5 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg19_1, %select_1), kwargs = {})
+#   %sub_16 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select_1), kwargs = {})
+#   %mul_45 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sum_5, %sub_16), kwargs = {})
+#   %addcmul_7 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_5, %mul_45, %sum_5), kwargs = {})
+#   %sqrt_8 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_7,), kwargs = {})
+#   %pow_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select_1, %add_2), kwargs = {})
+#   %sub_17 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_8), kwargs = {})
+#   %sqrt_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_17,), kwargs = {})
+#   %pow_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select, %add_2), kwargs = {})
+#   %sub_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_3), kwargs = {})
+#   %div_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_6), kwargs = {})
 #   %neg_2 : Tensor "f64[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.neg.default](args = (%div_2,), kwargs = {})
-#   %mul_15 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_2, %neg_2), kwargs = {})
-#   %div_9 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_8, %mul_15), kwargs = {})
-#   %reciprocal_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.reciprocal.default](args = (%neg_2,), kwargs = {})
-#   %mul_14 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%reciprocal_2, 1e-08), kwargs = {})
-#   %add_17 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_9, %mul_14), kwargs = {})
-#   %addcdiv_3 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_46, %add_16, %add_17), kwargs = {})
-#   %copy__2 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg2_1, %addcdiv_2), kwargs = {})
-#   %copy__3 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg3_1, %addcdiv_3), kwargs = {})
-#   %copy__13 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg15_1, %add_14), kwargs = {})
-#   %copy__14 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg16_1, %addcmul_2), kwargs = {})
-#   %copy__16 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg18_1, %add_16), kwargs = {})
-#   %copy__17 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg19_1, %addcmul_3), kwargs = {})
-#   return %sum_4,%sum_5,%addcdiv_2,%add_14,%addcmul_2,%buf34,%buf108,%buf112,%addcdiv_3,%add_16,%addcmul_3,%buf37,%buf131,%buf135
-triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_reciprocal_rsub_sqrt_4 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_reciprocal_rsub_sqrt_4', '''
-import triton
-import triton.language as tl
-
-from torch._inductor.runtime import triton_helpers, triton_heuristics
-from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math
-from torch._inductor.runtime.hints import AutotuneHint, ReductionHint, TileHint, DeviceProperties
-triton_helpers.set_driver_to_cpu()
-
-@triton_heuristics.pointwise(
-    size_hints={'x': 8}, 
-    filename=__file__,
-    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': '*fp32', 'in_ptr2': '*fp32', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': 'fp64', 'in_ptr6': '*fp32', 'in_ptr7': '*fp32', 'in_ptr8': '*fp32', 'in_ptr9': '*fp32', 'in_ptr10': '*fp32', 'in_ptr11': '*fp32', 'in_ptr12': '*fp32', 'out_ptr0': '*fp32', 'out_ptr1': '*fp32', 'out_ptr5': '*fp32', 'out_ptr6': '*fp32', 'out_ptr7': '*fp32', 'out_ptr11': '*fp32', 'out_ptr12': '*fp32', 'out_ptr13': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(0,): [['tt.divisibility', 16]], (1,): [['tt.divisibility', 16]], (2,): [['tt.divisibility', 16]], (3,): [['tt.divisibility', 16]], (13,): [['tt.divisibility', 16]], (14,): [['tt.divisibility', 16]]}]},
-    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_reciprocal_rsub_sqrt_4', 'mutated_arg_names': ['in_ptr10', 'in_ptr11', 'in_ptr4', 'in_ptr6', 'in_ptr7', 'in_ptr9', 'out_ptr11', 'out_ptr12', 'out_ptr13', 'out_ptr5', 'out_ptr6', 'out_ptr7'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 21, 'num_store': 8, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 896}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
-    min_elem_per_thread=0
-)
-@triton.jit
-def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_reciprocal_rsub_sqrt_4(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, in_ptr6, in_ptr7, in_ptr8, in_ptr9, in_ptr10, in_ptr11, in_ptr12, out_ptr0, out_ptr1, out_ptr5, out_ptr6, out_ptr7, out_ptr11, out_ptr12, out_ptr13, xnumel, XBLOCK : tl.constexpr):
-    xnumel = 8
-    xoffset = tl.program_id(0) * XBLOCK
-    xindex = xoffset + tl.arange(0, XBLOCK)[:]
-    xmask = xindex < xnumel
-    x0 = xindex
-    tmp0 = tl.load(in_ptr0 + (x0), xmask)
-    tmp1 = tl.load(in_ptr1 + (x0), xmask)
-    tmp2 = tl.load(in_ptr2 + (0))
-    tmp3 = tl.broadcast_to(tmp2, [XBLOCK])
-    tmp5 = tl.load(in_ptr3 + (0))
-    tmp6 = tl.broadcast_to(tmp5, [XBLOCK])
-    tmp14 = tl.load(in_ptr0 + (8 + x0), xmask)
-    tmp15 = tl.load(in_ptr1 + (8 + x0), xmask)
-    tmp16 = tl.load(in_ptr2 + (1))
-    tmp17 = tl.broadcast_to(tmp16, [XBLOCK])
-    tmp19 = tl.load(in_ptr3 + (1))
-    tmp20 = tl.broadcast_to(tmp19, [XBLOCK])
-    tmp27 = tl.load(in_ptr0 + (16 + x0), xmask)
-    tmp28 = tl.load(in_ptr1 + (16 + x0), xmask)
-    tmp29 = tl.load(in_ptr2 + (2))
-    tmp30 = tl.broadcast_to(tmp29, [XBLOCK])
-    tmp32 = tl.load(in_ptr3 + (2))
-    tmp33 = tl.broadcast_to(tmp32, [XBLOCK])
-    tmp42 = tl.load(in_ptr4 + (x0), xmask)
-    tmp43 = in_ptr5
-    tmp50 = tl.load(in_ptr6 + (x0), xmask)
-    tmp55 = tl.load(in_ptr7 + (x0), xmask)
-    tmp63 = tl.load(in_ptr8 + (0))
-    tmp64 = tl.broadcast_to(tmp63, [XBLOCK])
-    tmp87 = tl.load(in_ptr9 + (x0), xmask)
-    tmp89 = tl.load(in_ptr10 + (x0), xmask)
-    tmp93 = tl.load(in_ptr11 + (x0), xmask)
-    tmp99 = tl.load(in_ptr12 + (0))
-    tmp100 = tl.broadcast_to(tmp99, [XBLOCK])
-    tmp4 = tmp1 - tmp3
-    tmp7 = tl.full([1], 8.0, tl.float32)
-    tmp8 = (tmp6 / tmp7)
-    tmp9 = tl.full([1], 1e-05, tl.float32)
-    tmp10 = tmp8 + tmp9
-    tmp11 = libdevice.rsqrt(tmp10)
-    tmp12 = tmp4 * tmp11
-    tmp13 = tmp0 * tmp12
-    tmp18 = tmp15 - tmp17
-    tmp21 = (tmp20 / tmp7)
-    tmp22 = tmp21 + tmp9
-    tmp23 = libdevice.rsqrt(tmp22)
-    tmp24 = tmp18 * tmp23
-    tmp25 = tmp14 * tmp24
-    tmp26 = tmp13 + tmp25
-    tmp31 = tmp28 - tmp30
-    tmp34 = (tmp33 / tmp7)
-    tmp35 = tmp34 + tmp9
-    tmp36 = libdevice.rsqrt(tmp35)
-    tmp37 = tmp31 * tmp36
-    tmp38 = tmp27 * tmp37
-    tmp39 = tmp26 + tmp38
-    tmp40 = tmp0 + tmp14
-    tmp41 = tmp40 + tmp27
-    tmp44 = tl.full([1], 0.1, tl.float64)
-    tmp45 = tmp43 * tmp44
-    tmp46 = tl.full([1], 1.0, tl.float64)
-    tmp47 = tmp46 - tmp45
-    tmp48 = tmp47.to(tl.float32)
-    tmp49 = tmp42 * tmp48
-    tmp51 = tmp39 - tmp50
-    tmp52 = tl.full([1], 0.09999999999999998, tl.float32)
-    tmp53 = tmp51 * tmp52
-    tmp54 = tmp50 + tmp53
-    tmp56 = tl.full([1], 0.999, tl.float32)
-    tmp57 = tmp55 * tmp56
-    tmp58 = tmp39 * tmp39
-    tmp59 = tl.full([1], 0.0010000000000000009, tl.float32)
-    tmp60 = tmp59 * tmp58
-    tmp61 = tmp57 + tmp60
-    tmp62 = tl.sqrt_rn(tmp61)
-    tmp65 = tmp64.to(tl.float64)
-    tmp66 = tmp65 + tmp46
-    tmp67 = tl.full([1], 0.999, tl.float64)
-    tmp68 = libdevice.pow(tmp67, tmp66)
-    tmp69 = tmp46 - tmp68
-    tmp70 = libdevice.sqrt(tmp69)
-    tmp71 = tl.full([1], 0.9, tl.float64)
-    tmp72 = libdevice.pow(tmp71, tmp66)
-    tmp73 = tmp46 - tmp72
-    tmp74 = (tmp43 / tmp73)
-    tmp75 = -tmp74
-    tmp76 = tmp70 * tmp75
-    tmp77 = tmp76.to(tl.float32)
-    tmp78 = (tmp62 / tmp77)
-    tmp79 = tl.full([1], 1.0, tl.float32)
-    tmp80 = (tmp79 / tmp75)
-    tmp81 = tl.full([1], 1e-08, tl.float64)
-    tmp82 = tmp80 * tmp81
-    tmp83 = tmp82.to(tl.float32)
-    tmp84 = tmp78 + tmp83
-    tmp85 = (tmp54 / tmp84)
-    tmp86 = tmp49 + tmp85
-    tmp88 = tmp87 * tmp48
-    tmp90 = tmp41 - tmp89
-    tmp91 = tmp90 * tmp52
-    tmp92 = tmp89 + tmp91
-    tmp94 = tmp93 * tmp56
-    tmp95 = tmp41 * tmp41
-    tmp96 = tmp59 * tmp95
-    tmp97 = tmp94 + tmp96
-    tmp98 = tl.sqrt_rn(tmp97)
-    tmp101 = tmp100.to(tl.float64)
-    tmp102 = tmp101 + tmp46
-    tmp103 = libdevice.pow(tmp67, tmp102)
-    tmp104 = tmp46 - tmp103
-    tmp105 = libdevice.sqrt(tmp104)
-    tmp106 = libdevice.pow(tmp71, tmp102)
-    tmp107 = tmp46 - tmp106
-    tmp108 = (tmp43 / tmp107)
-    tmp109 = -tmp108
-    tmp110 = tmp105 * tmp109
-    tmp111 = tmp110.to(tl.float32)
-    tmp112 = (tmp98 / tmp111)
-    tmp113 = (tmp79 / tmp109)
-    tmp114 = tmp113 * tmp81
-    tmp115 = tmp114.to(tl.float32)
-    tmp116 = tmp112 + tmp115
-    tmp117 = (tmp92 / tmp116)
-    tmp118 = tmp88 + tmp117
-    tl.store(out_ptr0 + (x0), tmp39, xmask)
-    tl.store(out_ptr1 + (x0), tmp41, xmask)
-    tl.store(out_ptr5 + (x0), tmp86, xmask)
-    tl.store(out_ptr6 + (x0), tmp54, xmask)
-    tl.store(out_ptr7 + (x0), tmp61, xmask)
-    tl.store(out_ptr11 + (x0), tmp118, xmask)
-    tl.store(out_ptr12 + (x0), tmp92, xmask)
-    tl.store(out_ptr13 + (x0), tmp97, xmask)
-''', device_str='cpu')
-
-
-# kernel path: INDUCTOR-CACHE/KERNEL.py
-# Topologically Sorted Source Nodes: [_to_copy_1, add__2, mul_3, rsub_3, mul__2, sum_2, view_1, lerp__1, mul__3, addcmul__1, sqrt_3, pow_4, rsub_5, sqrt_2, pow_3, rsub_4, div_2, neg_1, mul_4, div_3, reciprocal_1, mul_5, add__3, addcdiv__1], Original ATen: [aten._to_copy, aten.add, aten.mul, aten.rsub, aten.sum, aten.view, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
-# Source node to ATen node mapping:
-#   _to_copy_1 => convert_element_type_1
-#   add__2 => add
-#   add__3 => add_19
-#   addcdiv__1 => addcdiv_4
-#   addcmul__1 => addcmul_4
-#   div_2 => div
-#   div_3 => div_10
-#   lerp__1 => add_18, sub_25
-#   mul_3 => mul_1
-#   mul_4 => mul_9
-#   mul_5 => mul_8
-#   mul__2 => mul_21
-#   mul__3 => mul_2
-#   neg_1 => neg
-#   pow_3 => pow_1
-#   pow_4 => pow_2
-#   reciprocal_1 => reciprocal
-#   rsub_3 => sub
-#   rsub_4 => sub_2
-#   rsub_5 => sub_3
-#   sqrt_2 => sqrt
-#   sqrt_3 => sqrt_9
-#   sum_2 => sum_6
-#   view_1 => view_1
-# Graph fragment:
-#   %mul_43 : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mul_43]
-#   %copy__1 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__1]
-#   %arg26_1 : Tensor "f64[][]cpu" = PlaceHolder[target=arg26_1]
-#   %copy__10 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__10]
-#   %sum_6 : Tensor "f32[1, 8][8, 1]cpu" = PlaceHolder[target=sum_6]
-#   %copy__11 : Tensor "f32[8][1]cpu" = PlaceHolder[target=copy__11]
-#   %copy__9 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__9]
-#   %addcdiv_4 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcdiv_4]
-#   %addmm : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=addmm]
-#   %add_18 : Tensor "f32[8][1]cpu" = PlaceHolder[target=add_18]
-#   %addcmul_4 : Tensor "f32[8][1]cpu" = PlaceHolder[target=addcmul_4]
-#   %convert_element_type_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg11_1, torch.float64), kwargs = {})
-#   %add : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type_1, 1), kwargs = {})
-#   %mul_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, 0.1), kwargs = {})
-#   %sub : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_1), kwargs = {})
-#   %mul_21 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg1_1, %sub), kwargs = {})
-#   %sum_6 : Tensor "f32[1, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_43, [0], True), kwargs = {})
-#   %view_1 : Tensor "f32[8][1]cpu"[num_users=3] = call_function[target=torch.ops.aten.reshape.default](args = (%sum_6, [8]), kwargs = {})
-#   %sub_25 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%view_1, %arg12_1), kwargs = {})
-#   %add_18 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.add.Tensor](args = (%arg12_1, %sub_25), kwargs = {alpha: 0.09999999999999998})
-#   %mul_2 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg13_1, 0.999), kwargs = {})
-#   %addcmul_4 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_2, %view_1, %view_1), kwargs = {value: 0.0010000000000000009})
-#   %sqrt_9 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_4,), kwargs = {})
-#   %pow_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.999, %add), kwargs = {})
-#   %sub_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_2), kwargs = {})
-#   %sqrt : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_3,), kwargs = {})
-#   %pow_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.9, %add), kwargs = {})
+#   %mul_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_2, %neg_2), kwargs = {})
+#   %div_14 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_8, %mul_6), kwargs = {})
+#   %div_7 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%select_2, %neg_2), kwargs = {})
+#   %add_13 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_14, %div_7), kwargs = {})
+#   %addcdiv_3 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_43, %addcmul_6, %add_13), kwargs = {})
+#   %mul_11 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, %select_3), kwargs = {})
+#   %sub_22 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_11), kwargs = {})
+#   %mul_16 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg1_1, %sub_22), kwargs = {})
+#   %sub_1 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select), kwargs = {})
+#   %abs_5 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.abs.default](args = (%sub_1,), kwargs = {})
+#   %ge_4 : Tensor "b8[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.ge.Scalar](args = (%abs_5, 0.5), kwargs = {})
+#   %sum_6 : Tensor "f32[1, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sum.dim_IntList](args = (%mul_40, [0], True), kwargs = {})
+#   %view_1 : Tensor "f32[8][1]cpu"[num_users=5] = call_function[target=torch.ops.aten.reshape.default](args = (%sum_6, [8]), kwargs = {})
+#   %where_9 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_4, %view_1, %arg12_1), kwargs = {})
+#   %sub_42 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1.0, %sub_1), kwargs = {})
+#   %neg_9 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.neg.default](args = (%sub_42,), kwargs = {})
+#   %where_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_4, %neg_9, %sub_1), kwargs = {})
+#   %sub_41 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%view_1, %arg12_1), kwargs = {})
+#   %addcmul_8 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%where_9, %where_8, %sub_41), kwargs = {})
+#   %mul_1 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg13_1, %select_1), kwargs = {})
+#   %sub_12 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select_1), kwargs = {})
+#   %mul_46 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%view_1, %sub_12), kwargs = {})
+#   %addcmul_9 : Tensor "f32[8][1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_1, %mul_46, %view_1), kwargs = {})
+#   %sqrt_9 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_9,), kwargs = {})
+#   %pow_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select_1, %add), kwargs = {})
+#   %sub_13 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_6), kwargs = {})
+#   %sqrt : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_13,), kwargs = {})
+#   %pow_1 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select, %add), kwargs = {})
 #   %sub_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_1), kwargs = {})
 #   %div : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_2), kwargs = {})
 #   %neg : Tensor "f64[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.neg.default](args = (%div,), kwargs = {})
-#   %mul_9 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt, %neg), kwargs = {})
-#   %div_10 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_9, %mul_9), kwargs = {})
-#   %reciprocal : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.reciprocal.default](args = (%neg,), kwargs = {})
-#   %mul_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%reciprocal, 1e-08), kwargs = {})
-#   %add_19 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_10, %mul_8), kwargs = {})
-#   %addcdiv_4 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_21, %add_18, %add_19), kwargs = {})
+#   %mul_2 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt, %neg), kwargs = {})
+#   %div_15 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_9, %mul_2), kwargs = {})
+#   %div_5 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%select_2, %neg), kwargs = {})
+#   %add_14 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_15, %div_5), kwargs = {})
+#   %addcdiv_4 : Tensor "f32[8][1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_16, %addcmul_8, %add_14), kwargs = {})
 #   %copy__1 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg1_1, %addcdiv_4), kwargs = {})
-#   %copy__10 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg12_1, %add_18), kwargs = {})
-#   %copy__11 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg13_1, %addcmul_4), kwargs = {})
-#   return %sum_6,%addcdiv_4,%add_18,%addcmul_4,%buf25,%buf85,%buf89
-triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_5 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_5', '''
+#   %copy__2 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg2_1, %addcdiv_2), kwargs = {})
+#   %copy__3 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg3_1, %addcdiv_3), kwargs = {})
+#   %copy__10 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg12_1, %addcmul_8), kwargs = {})
+#   %copy__11 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg13_1, %addcmul_9), kwargs = {})
+#   %copy__13 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg15_1, %addcmul_4), kwargs = {})
+#   %copy__14 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg16_1, %addcmul_5), kwargs = {})
+#   %copy__16 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg18_1, %addcmul_6), kwargs = {})
+#   %copy__17 : Tensor "f32[8][1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg19_1, %addcmul_7), kwargs = {})
+#   return %sum_6,%sum_4,%sum_5,%addcdiv_2,%addcmul_4,%addcmul_5,%addcdiv_3,%addcmul_6,%addcmul_7,%addcdiv_4,%addcmul_8,%addcmul_9,%buf108,%buf112,%buf131,%buf135,%buf85,%buf89,%buf29,%buf39,%buf37
+triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_rsub_select_sqrt_sum_view_5 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_rsub_select_sqrt_sum_view_5', '''
 import triton
 import triton.language as tl
 
@@ -1004,12 +1087,12 @@ triton_helpers.set_driver_to_cpu()
 @triton_heuristics.pointwise(
     size_hints={'x': 8}, 
     filename=__file__,
-    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': '*fp32', 'in_ptr2': 'fp64', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'out_ptr0': '*fp32', 'out_ptr4': '*fp32', 'out_ptr5': '*fp32', 'out_ptr6': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(0,): [['tt.divisibility', 16]], (6,): [['tt.divisibility', 16]]}]},
-    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_5', 'mutated_arg_names': ['in_ptr1', 'in_ptr3', 'in_ptr4', 'out_ptr4', 'out_ptr5', 'out_ptr6'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 8, 'num_store': 4, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 448}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
+    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': '*fp32', 'in_ptr2': '*fp32', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'in_ptr6': 'fp64', 'in_ptr7': '*fp64', 'in_ptr8': '*fp32', 'in_ptr9': '*fp32', 'in_ptr10': '*fp32', 'in_ptr11': '*fp32', 'in_ptr12': '*fp32', 'in_ptr13': '*fp32', 'in_ptr14': '*fp32', 'in_ptr15': '*fp32', 'in_ptr16': '*fp32', 'in_ptr17': '*fp32', 'in_ptr18': '*fp32', 'out_ptr0': '*fp32', 'out_ptr1': '*fp32', 'out_ptr2': '*fp32', 'out_ptr12': '*fp32', 'out_ptr13': '*fp32', 'out_ptr14': '*fp32', 'out_ptr15': '*fp32', 'out_ptr16': '*fp32', 'out_ptr17': '*fp32', 'out_ptr18': '*fp32', 'out_ptr19': '*fp32', 'out_ptr20': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(0,): [['tt.divisibility', 16]], (1,): [['tt.divisibility', 16]], (2,): [['tt.divisibility', 16]], (3,): [['tt.divisibility', 16]], (4,): [['tt.divisibility', 16]], (19,): [['tt.divisibility', 16]], (20,): [['tt.divisibility', 16]], (21,): [['tt.divisibility', 16]]}]},
+    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_rsub_select_sqrt_sum_view_5', 'mutated_arg_names': ['in_ptr11', 'in_ptr12', 'in_ptr13', 'in_ptr15', 'in_ptr16', 'in_ptr17', 'in_ptr5', 'in_ptr8', 'in_ptr9', 'out_ptr12', 'out_ptr13', 'out_ptr14', 'out_ptr15', 'out_ptr16', 'out_ptr17', 'out_ptr18', 'out_ptr19', 'out_ptr20'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 32, 'num_store': 12, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 1344}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
     min_elem_per_thread=0
 )
 @triton.jit
-def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_5(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, out_ptr0, out_ptr4, out_ptr5, out_ptr6, xnumel, XBLOCK : tl.constexpr):
+def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_rsub_select_sqrt_sum_view_5(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, in_ptr6, in_ptr7, in_ptr8, in_ptr9, in_ptr10, in_ptr11, in_ptr12, in_ptr13, in_ptr14, in_ptr15, in_ptr16, in_ptr17, in_ptr18, out_ptr0, out_ptr1, out_ptr2, out_ptr12, out_ptr13, out_ptr14, out_ptr15, out_ptr16, out_ptr17, out_ptr18, out_ptr19, out_ptr20, xnumel, XBLOCK : tl.constexpr):
     xnumel = 8
     xoffset = tl.program_id(0) * XBLOCK
     xindex = xoffset + tl.arange(0, XBLOCK)[:]
@@ -1019,123 +1102,274 @@ def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rec
     tmp1 = tl.load(in_ptr0 + (8 + x0), xmask)
     tmp3 = tl.load(in_ptr0 + (16 + x0), xmask)
     tmp5 = tl.load(in_ptr1 + (x0), xmask)
-    tmp6 = in_ptr2
-    tmp13 = tl.load(in_ptr3 + (x0), xmask)
-    tmp18 = tl.load(in_ptr4 + (x0), xmask)
-    tmp26 = tl.load(in_ptr5 + (0))
-    tmp27 = tl.broadcast_to(tmp26, [XBLOCK])
+    tmp6 = tl.load(in_ptr2 + (x0), xmask)
+    tmp7 = tl.load(in_ptr3 + (0))
+    tmp8 = tl.broadcast_to(tmp7, [XBLOCK])
+    tmp10 = tl.load(in_ptr4 + (0))
+    tmp11 = tl.broadcast_to(tmp10, [XBLOCK])
+    tmp19 = tl.load(in_ptr1 + (8 + x0), xmask)
+    tmp20 = tl.load(in_ptr2 + (8 + x0), xmask)
+    tmp21 = tl.load(in_ptr3 + (1))
+    tmp22 = tl.broadcast_to(tmp21, [XBLOCK])
+    tmp24 = tl.load(in_ptr4 + (1))
+    tmp25 = tl.broadcast_to(tmp24, [XBLOCK])
+    tmp32 = tl.load(in_ptr1 + (16 + x0), xmask)
+    tmp33 = tl.load(in_ptr2 + (16 + x0), xmask)
+    tmp34 = tl.load(in_ptr3 + (2))
+    tmp35 = tl.broadcast_to(tmp34, [XBLOCK])
+    tmp37 = tl.load(in_ptr4 + (2))
+    tmp38 = tl.broadcast_to(tmp37, [XBLOCK])
+    tmp47 = tl.load(in_ptr5 + (x0), xmask)
+    tmp48 = in_ptr6
+    tmp49 = tl.load(in_ptr7 + (3))
+    tmp50 = tl.broadcast_to(tmp49, [XBLOCK])
+    tmp56 = tl.load(in_ptr7 + (0))
+    tmp57 = tl.broadcast_to(tmp56, [XBLOCK])
+    tmp62 = tl.load(in_ptr8 + (x0), xmask)
+    tmp73 = tl.load(in_ptr9 + (x0), xmask)
+    tmp74 = tl.load(in_ptr7 + (1))
+    tmp75 = tl.broadcast_to(tmp74, [XBLOCK])
+    tmp85 = tl.load(in_ptr10 + (0))
+    tmp86 = tl.broadcast_to(tmp85, [XBLOCK])
+    tmp99 = tl.load(in_ptr7 + (2))
+    tmp100 = tl.broadcast_to(tmp99, [XBLOCK])
+    tmp106 = tl.load(in_ptr11 + (x0), xmask)
+    tmp108 = tl.load(in_ptr12 + (x0), xmask)
+    tmp114 = tl.load(in_ptr13 + (x0), xmask)
+    tmp121 = tl.load(in_ptr14 + (0))
+    tmp122 = tl.broadcast_to(tmp121, [XBLOCK])
+    tmp140 = tl.load(in_ptr15 + (x0), xmask)
+    tmp142 = tl.load(in_ptr16 + (x0), xmask)
+    tmp148 = tl.load(in_ptr17 + (x0), xmask)
+    tmp155 = tl.load(in_ptr18 + (0))
+    tmp156 = tl.broadcast_to(tmp155, [XBLOCK])
     tmp2 = tmp0 + tmp1
     tmp4 = tmp2 + tmp3
-    tmp7 = tl.full([1], 0.1, tl.float64)
-    tmp8 = tmp6 * tmp7
-    tmp9 = tl.full([1], 1.0, tl.float64)
-    tmp10 = tmp9 - tmp8
-    tmp11 = tmp10.to(tl.float32)
-    tmp12 = tmp5 * tmp11
-    tmp14 = tmp4 - tmp13
-    tmp15 = tl.full([1], 0.09999999999999998, tl.float32)
-    tmp16 = tmp14 * tmp15
-    tmp17 = tmp13 + tmp16
-    tmp19 = tl.full([1], 0.999, tl.float32)
-    tmp20 = tmp18 * tmp19
-    tmp21 = tmp4 * tmp4
-    tmp22 = tl.full([1], 0.0010000000000000009, tl.float32)
-    tmp23 = tmp22 * tmp21
-    tmp24 = tmp20 + tmp23
-    tmp25 = tl.sqrt_rn(tmp24)
-    tmp28 = tmp27.to(tl.float64)
-    tmp29 = tmp28 + tmp9
-    tmp30 = tl.full([1], 0.999, tl.float64)
-    tmp31 = libdevice.pow(tmp30, tmp29)
-    tmp32 = tmp9 - tmp31
-    tmp33 = libdevice.sqrt(tmp32)
-    tmp34 = tl.full([1], 0.9, tl.float64)
-    tmp35 = libdevice.pow(tmp34, tmp29)
-    tmp36 = tmp9 - tmp35
-    tmp37 = (tmp6 / tmp36)
-    tmp38 = -tmp37
-    tmp39 = tmp33 * tmp38
-    tmp40 = tmp39.to(tl.float32)
-    tmp41 = (tmp25 / tmp40)
-    tmp42 = tl.full([1], 1.0, tl.float32)
-    tmp43 = (tmp42 / tmp38)
-    tmp44 = tl.full([1], 1e-08, tl.float64)
-    tmp45 = tmp43 * tmp44
-    tmp46 = tmp45.to(tl.float32)
-    tmp47 = tmp41 + tmp46
-    tmp48 = (tmp17 / tmp47)
-    tmp49 = tmp12 + tmp48
+    tmp9 = tmp6 - tmp8
+    tmp12 = tl.full([1], 8.0, tl.float32)
+    tmp13 = (tmp11 / tmp12)
+    tmp14 = tl.full([1], 1e-05, tl.float32)
+    tmp15 = tmp13 + tmp14
+    tmp16 = libdevice.rsqrt(tmp15)
+    tmp17 = tmp9 * tmp16
+    tmp18 = tmp5 * tmp17
+    tmp23 = tmp20 - tmp22
+    tmp26 = (tmp25 / tmp12)
+    tmp27 = tmp26 + tmp14
+    tmp28 = libdevice.rsqrt(tmp27)
+    tmp29 = tmp23 * tmp28
+    tmp30 = tmp19 * tmp29
+    tmp31 = tmp18 + tmp30
+    tmp36 = tmp33 - tmp35
+    tmp39 = (tmp38 / tmp12)
+    tmp40 = tmp39 + tmp14
+    tmp41 = libdevice.rsqrt(tmp40)
+    tmp42 = tmp36 * tmp41
+    tmp43 = tmp32 * tmp42
+    tmp44 = tmp31 + tmp43
+    tmp45 = tmp5 + tmp19
+    tmp46 = tmp45 + tmp32
+    tmp51 = tmp48 * tmp50
+    tmp52 = tl.full([1], 1.0, tl.float64)
+    tmp53 = tmp52 - tmp51
+    tmp54 = tmp53.to(tl.float32)
+    tmp55 = tmp47 * tmp54
+    tmp58 = tmp52 - tmp57
+    tmp59 = tl_math.abs(tmp58)
+    tmp60 = tl.full([1], 0.5, tl.float64)
+    tmp61 = tmp59 >= tmp60
+    tmp63 = tl.where(tmp61, tmp44, tmp62)
+    tmp64 = tmp52 - tmp58
+    tmp65 = -tmp64
+    tmp66 = tl.where(tmp61, tmp65, tmp58)
+    tmp67 = tmp66.to(tl.float32)
+    tmp68 = tmp44 - tmp62
+    tmp69 = tmp67 * tmp68
+    tmp70 = tl.full([1], 1.0, tl.float32)
+    tmp71 = tmp70 * tmp69
+    tmp72 = tmp63 + tmp71
+    tmp76 = tmp75.to(tl.float32)
+    tmp77 = tmp73 * tmp76
+    tmp78 = tmp52 - tmp75
+    tmp79 = tmp78.to(tl.float32)
+    tmp80 = tmp44 * tmp79
+    tmp81 = tmp80 * tmp44
+    tmp82 = tmp70 * tmp81
+    tmp83 = tmp77 + tmp82
+    tmp84 = tl.sqrt_rn(tmp83)
+    tmp87 = tmp86.to(tl.float64)
+    tmp88 = tmp87 + tmp52
+    tmp89 = libdevice.pow(tmp75, tmp88)
+    tmp90 = tmp52 - tmp89
+    tmp91 = libdevice.sqrt(tmp90)
+    tmp92 = libdevice.pow(tmp57, tmp88)
+    tmp93 = tmp52 - tmp92
+    tmp94 = (tmp48 / tmp93)
+    tmp95 = -tmp94
+    tmp96 = tmp91 * tmp95
+    tmp97 = tmp96.to(tl.float32)
+    tmp98 = (tmp84 / tmp97)
+    tmp101 = (tmp100 / tmp95)
+    tmp102 = tmp101.to(tl.float32)
+    tmp103 = tmp98 + tmp102
+    tmp104 = (tmp72 / tmp103)
+    tmp105 = tmp55 + tmp104
+    tmp107 = tmp106 * tmp54
+    tmp109 = tl.where(tmp61, tmp46, tmp108)
+    tmp110 = tmp46 - tmp108
+    tmp111 = tmp67 * tmp110
+    tmp112 = tmp70 * tmp111
+    tmp113 = tmp109 + tmp112
+    tmp115 = tmp114 * tmp76
+    tmp116 = tmp46 * tmp79
+    tmp117 = tmp116 * tmp46
+    tmp118 = tmp70 * tmp117
+    tmp119 = tmp115 + tmp118
+    tmp120 = tl.sqrt_rn(tmp119)
+    tmp123 = tmp122.to(tl.float64)
+    tmp124 = tmp123 + tmp52
+    tmp125 = libdevice.pow(tmp75, tmp124)
+    tmp126 = tmp52 - tmp125
+    tmp127 = libdevice.sqrt(tmp126)
+    tmp128 = libdevice.pow(tmp57, tmp124)
+    tmp129 = tmp52 - tmp128
+    tmp130 = (tmp48 / tmp129)
+    tmp131 = -tmp130
+    tmp132 = tmp127 * tmp131
+    tmp133 = tmp132.to(tl.float32)
+    tmp134 = (tmp120 / tmp133)
+    tmp135 = (tmp100 / tmp131)
+    tmp136 = tmp135.to(tl.float32)
+    tmp137 = tmp134 + tmp136
+    tmp138 = (tmp113 / tmp137)
+    tmp139 = tmp107 + tmp138
+    tmp141 = tmp140 * tmp54
+    tmp143 = tl.where(tmp61, tmp4, tmp142)
+    tmp144 = tmp4 - tmp142
+    tmp145 = tmp67 * tmp144
+    tmp146 = tmp70 * tmp145
+    tmp147 = tmp143 + tmp146
+    tmp149 = tmp148 * tmp76
+    tmp150 = tmp4 * tmp79
+    tmp151 = tmp150 * tmp4
+    tmp152 = tmp70 * tmp151
+    tmp153 = tmp149 + tmp152
+    tmp154 = tl.sqrt_rn(tmp153)
+    tmp157 = tmp156.to(tl.float64)
+    tmp158 = tmp157 + tmp52
+    tmp159 = libdevice.pow(tmp75, tmp158)
+    tmp160 = tmp52 - tmp159
+    tmp161 = libdevice.sqrt(tmp160)
+    tmp162 = libdevice.pow(tmp57, tmp158)
+    tmp163 = tmp52 - tmp162
+    tmp164 = (tmp48 / tmp163)
+    tmp165 = -tmp164
+    tmp166 = tmp161 * tmp165
+    tmp167 = tmp166.to(tl.float32)
+    tmp168 = (tmp154 / tmp167)
+    tmp169 = (tmp100 / tmp165)
+    tmp170 = tmp169.to(tl.float32)
+    tmp171 = tmp168 + tmp170
+    tmp172 = (tmp147 / tmp171)
+    tmp173 = tmp141 + tmp172
     tl.store(out_ptr0 + (x0), tmp4, xmask)
-    tl.store(out_ptr4 + (x0), tmp49, xmask)
-    tl.store(out_ptr5 + (x0), tmp17, xmask)
-    tl.store(out_ptr6 + (x0), tmp24, xmask)
+    tl.store(out_ptr1 + (x0), tmp44, xmask)
+    tl.store(out_ptr2 + (x0), tmp46, xmask)
+    tl.store(out_ptr12 + (x0), tmp72, xmask)
+    tl.store(out_ptr13 + (x0), tmp83, xmask)
+    tl.store(out_ptr14 + (x0), tmp113, xmask)
+    tl.store(out_ptr15 + (x0), tmp119, xmask)
+    tl.store(out_ptr16 + (x0), tmp147, xmask)
+    tl.store(out_ptr17 + (x0), tmp153, xmask)
+    tl.store(out_ptr18 + (x0), tmp173, xmask)
+    tl.store(out_ptr19 + (x0), tmp139, xmask)
+    tl.store(out_ptr20 + (x0), tmp105, xmask)
 ''', device_str='cpu')
 
 
 # kernel path: INDUCTOR-CACHE/KERNEL.py
-# Topologically Sorted Source Nodes: [_to_copy, add_, mul, rsub, mul_, lerp_, mul__1, addcmul_, sqrt_1, pow_2, rsub_2, sqrt, pow_1, rsub_1, div, neg, mul_1, div_1, reciprocal, mul_2, add__1, addcdiv_], Original ATen: [aten._to_copy, aten.add, aten.mul, aten.rsub, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
+# Topologically Sorted Source Nodes: [select_3, select, select_1, select_2, _to_copy, add_, mul, rsub, mul_, rsub_1, lerp_, mul__1, rsub_2, mul_1, addcmul_, sqrt_1, pow_2, rsub_4, sqrt, pow_1, rsub_3, div, neg, mul_2, div_1, div_2, add__1, addcdiv_], Original ATen: [aten.select, aten._to_copy, aten.add, aten.mul, aten.rsub, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.addcdiv, aten.copy_]
 # Source node to ATen node mapping:
 #   _to_copy => convert_element_type
-#   add_ => add_21
-#   add__1 => add_22
+#   add_ => add_15
+#   add__1 => add_16
 #   addcdiv_ => addcdiv_5
-#   addcmul_ => addcmul_5
-#   div => div_11
-#   div_1 => div_12
-#   lerp_ => add_20, sub_26
+#   addcmul_ => addcmul_11
+#   div => div_16
+#   div_1 => div_18
+#   div_2 => div_17
+#   lerp_ => abs_6, addcmul_10, ge_5, neg_10, sub_43, sub_44, where_10, where_11
 #   mul => mul_49
 #   mul_ => mul_50
-#   mul_1 => mul_48
-#   mul_2 => mul_47
+#   mul_1 => mul_47
+#   mul_2 => mul_48
 #   mul__1 => mul
-#   neg => neg_5
+#   neg => neg_11
 #   pow_1 => pow_12
 #   pow_2 => pow_13
-#   reciprocal => reciprocal_5
-#   rsub => sub_29
-#   rsub_1 => sub_27
-#   rsub_2 => sub_28
+#   rsub => sub_47
+#   rsub_1 => sub
+#   rsub_2 => sub_11
+#   rsub_3 => sub_45
+#   rsub_4 => sub_46
+#   select => select
+#   select_1 => select_1
+#   select_2 => select_2
+#   select_3 => select_3
 #   sqrt => sqrt_11
 #   sqrt_1 => sqrt_10
 # Graph fragment:
 #   %copy_ : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=copy_]
 #   %arg26_1 : Tensor "f64[][]cpu" = PlaceHolder[target=arg26_1]
-#   %copy__7 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=copy__7]
+#   %arg27_1 : Tensor "f64[4][1]cpu" = PlaceHolder[target=arg27_1]
 #   %mm_2 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=mm_2]
+#   %copy__7 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=copy__7]
 #   %copy__8 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=copy__8]
 #   %copy__6 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__6]
 #   %addcdiv_5 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=addcdiv_5]
 #   %addmm : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=addmm]
-#   %add_20 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=add_20]
-#   %addcmul_5 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=addcmul_5]
+#   %addcmul_10 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=addcmul_10]
+#   %addcmul_11 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=addcmul_11]
+#   %select_3 : Tensor "f64[][]cpu"[num_users=6] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 3), kwargs = {})
+#   %select : Tensor "f64[][]cpu"[num_users=12] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 0), kwargs = {})
+#   %select_1 : Tensor "f64[][]cpu"[num_users=18] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 1), kwargs = {})
+#   %select_2 : Tensor "f64[][]cpu"[num_users=6] = call_function[target=torch.ops.aten.select.int](args = (%arg27_1, 0, 2), kwargs = {})
 #   %convert_element_type : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg8_1, torch.float64), kwargs = {})
-#   %add_21 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type, 1), kwargs = {})
-#   %mul_49 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, 0.1), kwargs = {})
-#   %sub_29 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_49), kwargs = {})
-#   %mul_50 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg0_1, %sub_29), kwargs = {})
-#   %sub_26 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%mm_2, %arg9_1), kwargs = {})
-#   %add_20 : Tensor "f32[8, 4][4, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.add.Tensor](args = (%arg9_1, %sub_26), kwargs = {alpha: 0.09999999999999998})
-#   %mul : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg10_1, 0.999), kwargs = {})
-#   %addcmul_5 : Tensor "f32[8, 4][4, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul, %mm_2, %mm_2), kwargs = {value: 0.0010000000000000009})
-#   %sqrt_10 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_5,), kwargs = {})
-#   %pow_13 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.999, %add_21), kwargs = {})
-#   %sub_28 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_13), kwargs = {})
-#   %sqrt_11 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_28,), kwargs = {})
-#   %pow_12 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.9, %add_21), kwargs = {})
-#   %sub_27 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_12), kwargs = {})
-#   %div_11 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_27), kwargs = {})
-#   %neg_5 : Tensor "f64[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.neg.default](args = (%div_11,), kwargs = {})
-#   %mul_48 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_11, %neg_5), kwargs = {})
-#   %div_12 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_10, %mul_48), kwargs = {})
-#   %reciprocal_5 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.reciprocal.default](args = (%neg_5,), kwargs = {})
-#   %mul_47 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%reciprocal_5, 1e-08), kwargs = {})
-#   %add_22 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_12, %mul_47), kwargs = {})
-#   %addcdiv_5 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_50, %add_20, %add_22), kwargs = {})
+#   %add_15 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type, 1), kwargs = {})
+#   %mul_49 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, %select_3), kwargs = {})
+#   %sub_47 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_49), kwargs = {})
+#   %mul_50 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg0_1, %sub_47), kwargs = {})
+#   %sub : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select), kwargs = {})
+#   %abs_6 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.abs.default](args = (%sub,), kwargs = {})
+#   %ge_5 : Tensor "b8[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.ge.Scalar](args = (%abs_6, 0.5), kwargs = {})
+#   %where_11 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_5, %mm_2, %arg9_1), kwargs = {})
+#   %sub_44 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1.0, %sub), kwargs = {})
+#   %neg_10 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.neg.default](args = (%sub_44,), kwargs = {})
+#   %where_10 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.where.self](args = (%ge_5, %neg_10, %sub), kwargs = {})
+#   %sub_43 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%mm_2, %arg9_1), kwargs = {})
+#   %addcmul_10 : Tensor "f32[8, 4][4, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%where_11, %where_10, %sub_43), kwargs = {})
+#   %mul : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg10_1, %select_1), kwargs = {})
+#   %sub_11 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %select_1), kwargs = {})
+#   %mul_47 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mm_2, %sub_11), kwargs = {})
+#   %addcmul_11 : Tensor "f32[8, 4][4, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul, %mul_47, %mm_2), kwargs = {})
+#   %sqrt_10 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_11,), kwargs = {})
+#   %pow_13 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select_1, %add_15), kwargs = {})
+#   %sub_46 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_13), kwargs = {})
+#   %sqrt_11 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_46,), kwargs = {})
+#   %pow_12 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Tensor](args = (%select, %add_15), kwargs = {})
+#   %sub_45 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_12), kwargs = {})
+#   %div_16 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_45), kwargs = {})
+#   %neg_11 : Tensor "f64[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.neg.default](args = (%div_16,), kwargs = {})
+#   %mul_48 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_11, %neg_11), kwargs = {})
+#   %div_18 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_10, %mul_48), kwargs = {})
+#   %div_17 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%select_2, %neg_11), kwargs = {})
+#   %add_16 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_18, %div_17), kwargs = {})
+#   %addcdiv_5 : Tensor "f32[8, 4][4, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_50, %addcmul_10, %add_16), kwargs = {})
 #   %copy_ : Tensor "f32[8, 4][4, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg0_1, %addcdiv_5), kwargs = {})
-#   %copy__7 : Tensor "f32[8, 4][4, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg9_1, %add_20), kwargs = {})
-#   %copy__8 : Tensor "f32[8, 4][4, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg10_1, %addcmul_5), kwargs = {})
-#   return %addcdiv_5,%add_20,%addcmul_5,%buf22,%buf62,%buf66
-triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_6 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_6', '''
+#   %copy__7 : Tensor "f32[8, 4][4, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg9_1, %addcmul_10), kwargs = {})
+#   %copy__8 : Tensor "f32[8, 4][4, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg10_1, %addcmul_11), kwargs = {})
+#   return %addcdiv_5,%addcmul_10,%addcmul_11,%buf27,%buf62,%buf66
+triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_6 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_6', '''
 import triton
 import triton.language as tl
 
@@ -1147,12 +1381,12 @@ triton_helpers.set_driver_to_cpu()
 @triton_heuristics.pointwise(
     size_hints={'x': 32}, 
     filename=__file__,
-    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': 'fp64', 'in_ptr2': '*fp32', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'out_ptr3': '*fp32', 'out_ptr4': '*fp32', 'out_ptr5': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(3,): [['tt.divisibility', 16]], (9,): [['tt.divisibility', 16]]}]},
-    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_6', 'mutated_arg_names': ['in_ptr0', 'in_ptr2', 'in_ptr4', 'out_ptr3', 'out_ptr4', 'out_ptr5'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 6, 'num_store': 3, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 1280}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
+    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': 'fp64', 'in_ptr2': '*fp64', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'in_ptr6': '*fp32', 'out_ptr3': '*fp32', 'out_ptr4': '*fp32', 'out_ptr5': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(3,): [['tt.divisibility', 16]], (10,): [['tt.divisibility', 16]]}]},
+    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_6', 'mutated_arg_names': ['in_ptr0', 'in_ptr4', 'in_ptr5', 'out_ptr3', 'out_ptr4', 'out_ptr5'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 10, 'num_store': 3, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 1280}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
     min_elem_per_thread=0
 )
 @triton.jit
-def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_6(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, out_ptr3, out_ptr4, out_ptr5, xnumel, XBLOCK : tl.constexpr):
+def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_6(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, in_ptr6, out_ptr3, out_ptr4, out_ptr5, xnumel, XBLOCK : tl.constexpr):
     xnumel = 32
     xoffset = tl.program_id(0) * XBLOCK
     xindex = xoffset + tl.arange(0, XBLOCK)[:]
@@ -1160,192 +1394,67 @@ def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rec
     x0 = xindex
     tmp0 = tl.load(in_ptr0 + (x0), xmask)
     tmp1 = in_ptr1
-    tmp8 = tl.load(in_ptr2 + (x0), xmask)
-    tmp9 = tl.load(in_ptr3 + (x0), xmask)
-    tmp14 = tl.load(in_ptr4 + (x0), xmask)
-    tmp22 = tl.load(in_ptr5 + (0))
-    tmp23 = tl.broadcast_to(tmp22, [XBLOCK])
-    tmp2 = tl.full([1], 0.1, tl.float64)
-    tmp3 = tmp1 * tmp2
-    tmp4 = tl.full([1], 1.0, tl.float64)
-    tmp5 = tmp4 - tmp3
-    tmp6 = tmp5.to(tl.float32)
-    tmp7 = tmp0 * tmp6
-    tmp10 = tmp9 - tmp8
-    tmp11 = tl.full([1], 0.09999999999999998, tl.float32)
-    tmp12 = tmp10 * tmp11
-    tmp13 = tmp8 + tmp12
-    tmp15 = tl.full([1], 0.999, tl.float32)
-    tmp16 = tmp14 * tmp15
-    tmp17 = tmp9 * tmp9
-    tmp18 = tl.full([1], 0.0010000000000000009, tl.float32)
-    tmp19 = tmp18 * tmp17
-    tmp20 = tmp16 + tmp19
-    tmp21 = tl.sqrt_rn(tmp20)
-    tmp24 = tmp23.to(tl.float64)
-    tmp25 = tmp24 + tmp4
-    tmp26 = tl.full([1], 0.999, tl.float64)
-    tmp27 = libdevice.pow(tmp26, tmp25)
-    tmp28 = tmp4 - tmp27
-    tmp29 = libdevice.sqrt(tmp28)
-    tmp30 = tl.full([1], 0.9, tl.float64)
-    tmp31 = libdevice.pow(tmp30, tmp25)
-    tmp32 = tmp4 - tmp31
-    tmp33 = (tmp1 / tmp32)
-    tmp34 = -tmp33
-    tmp35 = tmp29 * tmp34
-    tmp36 = tmp35.to(tl.float32)
-    tmp37 = (tmp21 / tmp36)
-    tmp38 = tl.full([1], 1.0, tl.float32)
-    tmp39 = (tmp38 / tmp34)
-    tmp40 = tl.full([1], 1e-08, tl.float64)
-    tmp41 = tmp39 * tmp40
-    tmp42 = tmp41.to(tl.float32)
-    tmp43 = tmp37 + tmp42
-    tmp44 = (tmp13 / tmp43)
-    tmp45 = tmp7 + tmp44
-    tl.store(out_ptr3 + (x0), tmp45, xmask)
-    tl.store(out_ptr4 + (x0), tmp13, xmask)
-    tl.store(out_ptr5 + (x0), tmp20, xmask)
-''', device_str='cpu')
-
-
-# kernel path: INDUCTOR-CACHE/KERNEL.py
-# Topologically Sorted Source Nodes: [_to_copy_4, add__8, mul_12, rsub_12, mul__8, lerp__4, mul__9, addcmul__4, sqrt_9, pow_10, rsub_14, sqrt_8, pow_9, rsub_13, div_8, neg_4, mul_13, div_9, reciprocal_4, mul_14, add__9, addcdiv__4], Original ATen: [aten._to_copy, aten.add, aten.mul, aten.rsub, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
-# Source node to ATen node mapping:
-#   _to_copy_4 => convert_element_type_4
-#   add__8 => add_3
-#   add__9 => add_11
-#   addcdiv__4 => addcdiv_1
-#   addcmul__4 => addcmul_1
-#   div_8 => div_3
-#   div_9 => div_6
-#   lerp__4 => add_10, sub_19
-#   mul_12 => mul_13
-#   mul_13 => mul_18
-#   mul_14 => mul_17
-#   mul__8 => mul_30
-#   mul__9 => mul_5
-#   neg_4 => neg_3
-#   pow_10 => pow_8
-#   pow_9 => pow_7
-#   reciprocal_4 => reciprocal_3
-#   rsub_12 => sub_7
-#   rsub_13 => sub_11
-#   rsub_14 => sub_12
-#   sqrt_8 => sqrt_3
-#   sqrt_9 => sqrt_6
-# Graph fragment:
-#   %copy__4 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=copy__4]
-#   %arg26_1 : Tensor "f64[][]cpu" = PlaceHolder[target=arg26_1]
-#   %copy__19 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=copy__19]
-#   %mm_1 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=mm_1]
-#   %copy__20 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=copy__20]
-#   %copy__18 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__18]
-#   %addcdiv_1 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=addcdiv_1]
-#   %addmm_1 : Tensor "f32[3, 2][2, 1]cpu" = PlaceHolder[target=addmm_1]
-#   %mm : Tensor "f32[3, 8][8, 1]cpu" = PlaceHolder[target=mm]
-#   %add_10 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=add_10]
-#   %addcmul_1 : Tensor "f32[2, 8][8, 1]cpu" = PlaceHolder[target=addcmul_1]
-#   %convert_element_type_4 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg20_1, torch.float64), kwargs = {})
-#   %add_3 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type_4, 1), kwargs = {})
-#   %mul_13 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg26_1, 0.1), kwargs = {})
-#   %sub_7 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %mul_13), kwargs = {})
-#   %mul_30 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg4_1, %sub_7), kwargs = {})
-#   %sub_19 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%mm_1, %arg21_1), kwargs = {})
-#   %add_10 : Tensor "f32[2, 8][8, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.add.Tensor](args = (%arg21_1, %sub_19), kwargs = {alpha: 0.09999999999999998})
-#   %mul_5 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%arg22_1, 0.999), kwargs = {})
-#   %addcmul_1 : Tensor "f32[2, 8][8, 1]cpu"[num_users=2] = call_function[target=torch.ops.aten.addcmul.default](args = (%mul_5, %mm_1, %mm_1), kwargs = {value: 0.0010000000000000009})
-#   %sqrt_6 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%addcmul_1,), kwargs = {})
-#   %pow_8 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.999, %add_3), kwargs = {})
-#   %sub_12 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_8), kwargs = {})
-#   %sqrt_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sqrt.default](args = (%sub_12,), kwargs = {})
-#   %pow_7 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.pow.Scalar](args = (0.9, %add_3), kwargs = {})
-#   %sub_11 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (1, %pow_7), kwargs = {})
-#   %div_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%arg26_1, %sub_11), kwargs = {})
-#   %neg_3 : Tensor "f64[][]cpu"[num_users=2] = call_function[target=torch.ops.aten.neg.default](args = (%div_3,), kwargs = {})
-#   %mul_18 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sqrt_3, %neg_3), kwargs = {})
-#   %div_6 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.div.Tensor](args = (%sqrt_6, %mul_18), kwargs = {})
-#   %reciprocal_3 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.reciprocal.default](args = (%neg_3,), kwargs = {})
-#   %mul_17 : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%reciprocal_3, 1e-08), kwargs = {})
-#   %add_11 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%div_6, %mul_17), kwargs = {})
-#   %addcdiv_1 : Tensor "f32[2, 8][8, 1]cpu"[num_users=1] = call_function[target=torch.ops.aten.addcdiv.default](args = (%mul_30, %add_10, %add_11), kwargs = {})
-#   %copy__4 : Tensor "f32[2, 8][8, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg4_1, %addcdiv_1), kwargs = {})
-#   %copy__19 : Tensor "f32[2, 8][8, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg21_1, %add_10), kwargs = {})
-#   %copy__20 : Tensor "f32[2, 8][8, 1]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg22_1, %addcmul_1), kwargs = {})
-#   return %addcdiv_1,%add_10,%addcmul_1,%buf40,%buf154,%buf158
-triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_7 = async_compile.triton('triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_7', '''
-import triton
-import triton.language as tl
-
-from torch._inductor.runtime import triton_helpers, triton_heuristics
-from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math
-from torch._inductor.runtime.hints import AutotuneHint, ReductionHint, TileHint, DeviceProperties
-triton_helpers.set_driver_to_cpu()
-
-@triton_heuristics.pointwise(
-    size_hints={'x': 16}, 
-    filename=__file__,
-    triton_meta={'signature': {'in_ptr0': '*fp32', 'in_ptr1': 'fp64', 'in_ptr2': '*fp32', 'in_ptr3': '*fp32', 'in_ptr4': '*fp32', 'in_ptr5': '*fp32', 'out_ptr3': '*fp32', 'out_ptr4': '*fp32', 'out_ptr5': '*fp32', 'xnumel': 'i32', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{(3,): [['tt.divisibility', 16]], (9,): [['tt.divisibility', 16]]}]},
-    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_7', 'mutated_arg_names': ['in_ptr0', 'in_ptr2', 'in_ptr4', 'out_ptr3', 'out_ptr4', 'out_ptr5'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 6, 'num_store': 3, 'num_reduction': 0, 'autotune_hints': set(), 'tiling_scores': {'x': 640}, 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
-    min_elem_per_thread=0
-)
-@triton.jit
-def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_7(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, out_ptr3, out_ptr4, out_ptr5, xnumel, XBLOCK : tl.constexpr):
-    xnumel = 16
-    xoffset = tl.program_id(0) * XBLOCK
-    xindex = xoffset + tl.arange(0, XBLOCK)[:]
-    xmask = xindex < xnumel
-    x0 = xindex
-    tmp0 = tl.load(in_ptr0 + (x0), xmask)
-    tmp1 = in_ptr1
-    tmp8 = tl.load(in_ptr2 + (x0), xmask)
-    tmp9 = tl.load(in_ptr3 + (x0), xmask)
-    tmp14 = tl.load(in_ptr4 + (x0), xmask)
-    tmp22 = tl.load(in_ptr5 + (0))
-    tmp23 = tl.broadcast_to(tmp22, [XBLOCK])
-    tmp2 = tl.full([1], 0.1, tl.float64)
-    tmp3 = tmp1 * tmp2
-    tmp4 = tl.full([1], 1.0, tl.float64)
-    tmp5 = tmp4 - tmp3
-    tmp6 = tmp5.to(tl.float32)
-    tmp7 = tmp0 * tmp6
-    tmp10 = tmp9 - tmp8
-    tmp11 = tl.full([1], 0.09999999999999998, tl.float32)
-    tmp12 = tmp10 * tmp11
-    tmp13 = tmp8 + tmp12
-    tmp15 = tl.full([1], 0.999, tl.float32)
-    tmp16 = tmp14 * tmp15
-    tmp17 = tmp9 * tmp9
-    tmp18 = tl.full([1], 0.0010000000000000009, tl.float32)
-    tmp19 = tmp18 * tmp17
-    tmp20 = tmp16 + tmp19
-    tmp21 = tl.sqrt_rn(tmp20)
-    tmp24 = tmp23.to(tl.float64)
-    tmp25 = tmp24 + tmp4
-    tmp26 = tl.full([1], 0.999, tl.float64)
-    tmp27 = libdevice.pow(tmp26, tmp25)
-    tmp28 = tmp4 - tmp27
-    tmp29 = libdevice.sqrt(tmp28)
-    tmp30 = tl.full([1], 0.9, tl.float64)
-    tmp31 = libdevice.pow(tmp30, tmp25)
-    tmp32 = tmp4 - tmp31
-    tmp33 = (tmp1 / tmp32)
-    tmp34 = -tmp33
-    tmp35 = tmp29 * tmp34
-    tmp36 = tmp35.to(tl.float32)
-    tmp37 = (tmp21 / tmp36)
-    tmp38 = tl.full([1], 1.0, tl.float32)
-    tmp39 = (tmp38 / tmp34)
-    tmp40 = tl.full([1], 1e-08, tl.float64)
-    tmp41 = tmp39 * tmp40
-    tmp42 = tmp41.to(tl.float32)
-    tmp43 = tmp37 + tmp42
-    tmp44 = (tmp13 / tmp43)
-    tmp45 = tmp7 + tmp44
-    tl.store(out_ptr3 + (x0), tmp45, xmask)
-    tl.store(out_ptr4 + (x0), tmp13, xmask)
-    tl.store(out_ptr5 + (x0), tmp20, xmask)
+    tmp2 = tl.load(in_ptr2 + (3))
+    tmp3 = tl.broadcast_to(tmp2, [XBLOCK])
+    tmp9 = tl.load(in_ptr2 + (0))
+    tmp10 = tl.broadcast_to(tmp9, [XBLOCK])
+    tmp15 = tl.load(in_ptr3 + (x0), xmask)
+    tmp16 = tl.load(in_ptr4 + (x0), xmask)
+    tmp27 = tl.load(in_ptr5 + (x0), xmask)
+    tmp28 = tl.load(in_ptr2 + (1))
+    tmp29 = tl.broadcast_to(tmp28, [XBLOCK])
+    tmp39 = tl.load(in_ptr6 + (0))
+    tmp40 = tl.broadcast_to(tmp39, [XBLOCK])
+    tmp53 = tl.load(in_ptr2 + (2))
+    tmp54 = tl.broadcast_to(tmp53, [XBLOCK])
+    tmp4 = tmp1 * tmp3
+    tmp5 = tl.full([1], 1.0, tl.float64)
+    tmp6 = tmp5 - tmp4
+    tmp7 = tmp6.to(tl.float32)
+    tmp8 = tmp0 * tmp7
+    tmp11 = tmp5 - tmp10
+    tmp12 = tl_math.abs(tmp11)
+    tmp13 = tl.full([1], 0.5, tl.float64)
+    tmp14 = tmp12 >= tmp13
+    tmp17 = tl.where(tmp14, tmp15, tmp16)
+    tmp18 = tmp5 - tmp11
+    tmp19 = -tmp18
+    tmp20 = tl.where(tmp14, tmp19, tmp11)
+    tmp21 = tmp20.to(tl.float32)
+    tmp22 = tmp15 - tmp16
+    tmp23 = tmp21 * tmp22
+    tmp24 = tl.full([1], 1.0, tl.float32)
+    tmp25 = tmp24 * tmp23
+    tmp26 = tmp17 + tmp25
+    tmp30 = tmp29.to(tl.float32)
+    tmp31 = tmp27 * tmp30
+    tmp32 = tmp5 - tmp29
+    tmp33 = tmp32.to(tl.float32)
+    tmp34 = tmp15 * tmp33
+    tmp35 = tmp34 * tmp15
+    tmp36 = tmp24 * tmp35
+    tmp37 = tmp31 + tmp36
+    tmp38 = tl.sqrt_rn(tmp37)
+    tmp41 = tmp40.to(tl.float64)
+    tmp42 = tmp41 + tmp5
+    tmp43 = libdevice.pow(tmp29, tmp42)
+    tmp44 = tmp5 - tmp43
+    tmp45 = libdevice.sqrt(tmp44)
+    tmp46 = libdevice.pow(tmp10, tmp42)
+    tmp47 = tmp5 - tmp46
+    tmp48 = (tmp1 / tmp47)
+    tmp49 = -tmp48
+    tmp50 = tmp45 * tmp49
+    tmp51 = tmp50.to(tl.float32)
+    tmp52 = (tmp38 / tmp51)
+    tmp55 = (tmp54 / tmp49)
+    tmp56 = tmp55.to(tl.float32)
+    tmp57 = tmp52 + tmp56
+    tmp58 = (tmp26 / tmp57)
+    tmp59 = tmp8 + tmp58
+    tl.store(out_ptr3 + (x0), tmp59, xmask)
+    tl.store(out_ptr4 + (x0), tmp26, xmask)
+    tl.store(out_ptr5 + (x0), tmp37, xmask)
 ''', device_str='cpu')
 
 
@@ -1353,18 +1462,18 @@ def triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rec
 # Topologically Sorted Source Nodes: [_to_copy, add_, copy_], Original ATen: [aten._to_copy, aten.add, aten.copy, aten.copy_]
 # Source node to ATen node mapping:
 #   _to_copy => convert_element_type
-#   add_ => add_21
+#   add_ => add_15
 #   copy_ => copy_5
 # Graph fragment:
 #   %copy__6 : Tensor "f32[][]cpu" = PlaceHolder[target=copy__6]
 #   %copy_5 : Tensor "f32[][]cpu" = PlaceHolder[target=copy_5]
 #   %addcdiv_5 : Tensor "f32[8, 4][4, 1]cpu" = PlaceHolder[target=addcdiv_5]
 #   %convert_element_type : Tensor "f64[][]cpu"[num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg8_1, torch.float64), kwargs = {})
-#   %add_21 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type, 1), kwargs = {})
-#   %copy_5 : Tensor "f32[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.copy.default](args = (%arg8_1, %add_21), kwargs = {})
+#   %add_15 : Tensor "f64[][]cpu"[num_users=3] = call_function[target=torch.ops.aten.add.Tensor](args = (%convert_element_type, 1), kwargs = {})
+#   %copy_5 : Tensor "f32[][]cpu"[num_users=1] = call_function[target=torch.ops.aten.copy.default](args = (%arg8_1, %add_15), kwargs = {})
 #   %copy__6 : Tensor "f32[][]cpu"[num_users=0] = call_function[target=torch.ops.aten.copy_.default](args = (%arg8_1, %copy_5), kwargs = {})
-#   return %copy_5,%buf59
-triton_poi_fused__to_copy_add_copy_copy__8 = async_compile.triton('triton_poi_fused__to_copy_add_copy_copy__8', '''
+#   return %copy_5,%buf58
+triton_poi_fused__to_copy_add_copy_copy__7 = async_compile.triton('triton_poi_fused__to_copy_add_copy_copy__7', '''
 import triton
 import triton.language as tl
 
@@ -1377,11 +1486,11 @@ triton_helpers.set_driver_to_cpu()
     size_hints={'x': 1}, 
     filename=__file__,
     triton_meta={'signature': {'in_ptr0': '*fp32', 'out_ptr1': '*fp32', 'xnumel': 'constexpr', 'XBLOCK': 'constexpr'}, 'device': DeviceProperties(type='cpu', index=None, multi_processor_count=1, cc='', major=None, regs_per_multiprocessor=None, max_threads_per_multi_processor=None, max_threads_per_block=1024, warp_size=None), 'constants': {'xnumel': 1}, 'native_matmul': False, 'enable_fp_fusion': True, 'launch_pdl': False, 'disable_ftz': False, 'configs': [{}]},
-    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_copy_copy__8', 'mutated_arg_names': ['in_ptr0', 'out_ptr1'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 1, 'num_store': 1, 'num_reduction': 0, 'autotune_hints': set(), 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
+    inductor_meta={'grid_type': 'Grid1D', 'kernel_name': 'triton_poi_fused__to_copy_add_copy_copy__7', 'mutated_arg_names': ['in_ptr0', 'out_ptr1'], 'optimize_mem': True, 'no_x_dim': False, 'atomic_add_found': False, 'num_load': 1, 'num_store': 1, 'num_reduction': 0, 'autotune_hints': set(), 'backend_hash': 'TRITON-HASH', 'assert_indirect_indexing': True, 'autotune_local_cache': True, 'autotune_pointwise': True, 'autotune_remote_cache': None, 'force_disable_caches': False, 'dynamic_scale_rblock': True, 'incremental_autotune': False, 'max_autotune': False, 'max_autotune_pointwise': False, 'min_split_scan_rblock': 256, 'spill_threshold': 16, 'store_cubin': False, 'deterministic': False, 'batch_invariant': False, 'force_filter_reduction_configs': False, 'mix_order_reduction_allow_multi_stages': True, 'dynamic_disable_pipelining': True, 'are_deterministic_algorithms_enabled': False},
     min_elem_per_thread=0
 )
 @triton.jit
-def triton_poi_fused__to_copy_add_copy_copy__8(in_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):
+def triton_poi_fused__to_copy_add_copy_copy__7(in_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):
     xnumel = 1
     xoffset = tl.program_id(0) * XBLOCK
     xindex = xoffset + tl.arange(0, XBLOCK)[:]
@@ -1410,7 +1519,7 @@ class Runner:
         self.partitions = new_callables
 
     def call(self, args):
-        arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1, arg8_1, arg9_1, arg10_1, arg11_1, arg12_1, arg13_1, arg14_1, arg15_1, arg16_1, arg17_1, arg18_1, arg19_1, arg20_1, arg21_1, arg22_1, arg23_1, arg24_1, arg25_1, arg26_1 = args
+        arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1, arg8_1, arg9_1, arg10_1, arg11_1, arg12_1, arg13_1, arg14_1, arg15_1, arg16_1, arg17_1, arg18_1, arg19_1, arg20_1, arg21_1, arg22_1, arg23_1, arg24_1, arg25_1, arg26_1, arg27_1 = args
         args.clear()
         assert_size_stride_grouped((arg1_1, arg6_1, arg0_1), ((8, ), (3, 4), (8, 4)), ((1, ), (4, 1), (4, 1)), 'input')
         buf0 = empty_strided_cpu((3, 8), (8, 1), torch.float32)
@@ -1438,97 +1547,93 @@ class Runner:
         triton_per_fused_mse_loss_mse_loss_backward_1.run(buf182, buf6, arg7_1, buf8, 1, 6, stream=raw_streamNone)
         del arg7_1
         del buf6
-        assert_size_stride_grouped((arg26_1, arg24_1, arg25_1, arg23_1), ((), (2, ), (2, ), ()), ((), (1, ), (1, ), ()), 'input')
+        assert_size_stride_grouped((arg26_1, arg27_1, arg24_1, arg25_1, arg23_1), ((), (4, ), (2, ), (2, ), ()), ((), (1, ), (1, ), (1, ), ()), 'input')
         buf9 = empty_strided_cpu((1, 2), (2, 1), torch.float32)
-        # Topologically Sorted Source Nodes: [_to_copy_5, add__10, mul_15, rsub_15, mul__10, sum_1, view, lerp__5, mul__11, addcmul__5, sqrt_11, pow_12, rsub_17, sqrt_10, pow_11, rsub_16, div_10, neg_5, mul_16, div_11, reciprocal_5, mul_17, add__11, addcdiv__5], Original ATen: [aten._to_copy, aten.add, aten.mul, aten.rsub, aten.sum, aten.view, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
+        # Topologically Sorted Source Nodes: [_to_copy_5, add__10, select_3, mul_15, rsub_25, mul__10, select, rsub_26, lerp__5, sum_1, view, select_1, mul__11, rsub_27, mul_16, addcmul__5, sqrt_11, pow_12, rsub_29, sqrt_10, pow_11, rsub_28, div_15, neg_5, mul_17, div_16, select_2, div_17, add__11, addcdiv__5], Original ATen: [aten._to_copy, aten.add, aten.select, aten.mul, aten.rsub, aten.lerp, aten.sum, aten.view, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.addcdiv, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_2.run(buf8, arg5_1, arg26_1.item(), arg24_1, arg25_1, arg23_1, buf9, arg5_1, arg24_1, arg25_1, 2, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_sum_view_2.run(buf8, arg5_1, arg26_1.item(), arg27_1, arg24_1, arg25_1, arg23_1, buf9, arg24_1, arg25_1, arg5_1, 2, stream=raw_streamNone)
         del arg24_1
         del arg25_1
         del arg5_1
-        buf10 = empty_strided_cpu((2, 8), (8, 1), torch.float32)
+        buf11 = empty_strided_cpu((2, 8), (8, 1), torch.float32)
         # Topologically Sorted Source Nodes: [t_3, mm_1], Original ATen: [aten.t, aten.mm]
-        extern_kernels.mm(reinterpret_tensor(buf8, (2, 3), (1, 2), 0), buf5, out=buf10)
-        buf11 = buf5; del buf5  # reuse
+        extern_kernels.mm(reinterpret_tensor(buf8, (2, 3), (1, 2), 0), buf5, out=buf11)
+        buf13 = buf5; del buf5  # reuse
         # Topologically Sorted Source Nodes: [t_1, t_2, mm], Original ATen: [aten.t, aten.mm]
-        extern_kernels.mm(buf8, arg4_1, out=buf11)
+        extern_kernels.mm(buf8, arg4_1, out=buf13)
         del buf8
-        buf12 = empty_strided_cpu((3, 8), (8, 1), torch.float32)
-        buf17 = empty_strided_cpu((3, 8), (8, 1), torch.float32)
+        assert_size_stride_grouped((arg21_1, arg22_1, arg20_1), ((2, 8), (2, 8), ()), ((8, 1), (8, 1), ()), 'input')
+        # Topologically Sorted Source Nodes: [_to_copy_4, add__8, select_3, select, select_1, select_2, mul_12, rsub_20, mul__8, rsub_21, lerp__4, mul__9, rsub_22, mul_13, addcmul__4, sqrt_9, pow_10, rsub_24, sqrt_8, pow_9, rsub_23, div_12, neg_4, mul_14, div_13, div_14, add__9, addcdiv__4], Original ATen: [aten._to_copy, aten.add, aten.select, aten.mul, aten.rsub, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.addcdiv, aten.copy_]
+        raw_streamNone = get_raw_stream(None)
+        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_3.run(arg4_1, arg26_1.item(), arg27_1, buf11, arg21_1, arg22_1, arg20_1, arg21_1, arg22_1, arg4_1, 16, stream=raw_streamNone)
+        del arg21_1
+        del arg22_1
+        del arg4_1
+        buf14 = buf13; del buf13  # reuse
+        buf21 = empty_strided_cpu((3, 8), (8, 1), torch.float32)
         # Topologically Sorted Source Nodes: [native_layer_norm, gelu_backward, native_layer_norm_backward], Original ATen: [aten.native_layer_norm, aten.gelu_backward, aten.native_layer_norm_backward]
         raw_streamNone = get_raw_stream(None)
-        triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_3.run(buf11, buf4, arg2_1, buf0, buf2, buf3, buf12, buf17, 3, 8, stream=raw_streamNone)
-        del buf11
+        triton_per_fused_gelu_backward_native_layer_norm_native_layer_norm_backward_4.run(buf14, buf4, arg2_1, buf0, buf2, buf3, buf21, 3, 8, stream=raw_streamNone)
         del buf4
-        assert_size_stride_grouped((arg15_1, arg16_1, arg14_1, arg18_1, arg19_1, arg17_1), ((8, ), (8, ), (), (8, ), (8, ), ()), ((1, ), (1, ), (), (1, ), (1, ), ()), 'input')
-        buf13 = empty_strided_cpu((8, ), (1, ), torch.float32)
-        buf14 = empty_strided_cpu((8, ), (1, ), torch.float32)
-        # Topologically Sorted Source Nodes: [_to_copy_2, add__4, _to_copy_3, add__6, native_layer_norm, mul_6, rsub_6, mul__4, native_layer_norm_backward, lerp__2, mul__5, addcmul__2, sqrt_5, pow_6, rsub_8, sqrt_4, pow_5, rsub_7, div_4, neg_2, mul_7, div_5, reciprocal_2, mul_8, add__5, addcdiv__2, mul_9, rsub_9, mul__6, lerp__3, mul__7, addcmul__3, sqrt_7, pow_8, rsub_11, sqrt_6, pow_7, rsub_10, div_6, neg_3, mul_10, div_7, reciprocal_3, mul_11, add__7, addcdiv__3], Original ATen: [aten._to_copy, aten.add, aten.native_layer_norm, aten.mul, aten.rsub, aten.native_layer_norm_backward, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
+        assert_size_stride_grouped((arg15_1, arg16_1, arg14_1, arg18_1, arg19_1, arg17_1, arg12_1, arg13_1, arg11_1), ((8, ), (8, ), (), (8, ), (8, ), (), (8, ), (8, ), ()), ((1, ), (1, ), (), (1, ), (1, ), (), (1, ), (1, ), ()), 'input')
+        buf22 = empty_strided_cpu((1, 8), (8, 1), torch.float32)
+        buf15 = empty_strided_cpu((8, ), (1, ), torch.float32)
+        buf17 = empty_strided_cpu((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [_to_copy_1, add__2, _to_copy_2, add__4, _to_copy_3, add__6, native_layer_norm, select_3, select, select_1, select_2, mul_6, rsub_10, mul__4, rsub_11, lerp__2, native_layer_norm_backward, mul__5, rsub_12, mul_7, addcmul__2, sqrt_5, pow_6, rsub_14, sqrt_4, pow_5, rsub_13, div_6, neg_2, mul_8, div_7, div_8, add__5, addcdiv__2, mul_9, rsub_15, mul__6, rsub_16, lerp__3, mul__7, rsub_17, mul_10, addcmul__3, sqrt_7, pow_8, rsub_19, sqrt_6, pow_7, rsub_18, div_9, neg_3, mul_11, div_10, div_11, add__7, addcdiv__3, mul_3, rsub_5, mul__2, rsub_6, lerp__1, sum_2, view_1, mul__3, rsub_7, mul_4, addcmul__1, sqrt_3, pow_4, rsub_9, sqrt_2, pow_3, rsub_8, div_3, neg_1, mul_5, div_4, div_5, add__3, addcdiv__1], Original ATen: [aten._to_copy, aten.add, aten.native_layer_norm, aten.select, aten.mul, aten.rsub, aten.lerp, aten.native_layer_norm_backward, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.addcdiv, aten.sum, aten.view, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_reciprocal_rsub_sqrt_4.run(buf12, buf0, buf2, buf3, arg2_1, arg26_1.item(), arg15_1, arg16_1, arg14_1, arg3_1, arg18_1, arg19_1, arg17_1, buf13, buf14, arg2_1, arg15_1, arg16_1, arg3_1, arg18_1, arg19_1, 8, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_native_layer_norm_native_layer_norm_backward_neg_pow_rsub_select_sqrt_sum_view_5.run(buf21, buf14, buf0, buf2, buf3, arg2_1, arg26_1.item(), arg27_1, arg15_1, arg16_1, arg14_1, arg3_1, arg18_1, arg19_1, arg17_1, arg1_1, arg12_1, arg13_1, arg11_1, buf22, buf15, buf17, arg15_1, arg16_1, arg18_1, arg19_1, arg12_1, arg13_1, arg1_1, arg3_1, arg2_1, 8, stream=raw_streamNone)
+        del arg12_1
+        del arg13_1
         del arg15_1
         del arg16_1
         del arg18_1
         del arg19_1
+        del arg1_1
         del arg2_1
         del arg3_1
         del buf0
-        del buf12
+        del buf14
         del buf2
         del buf3
-        assert_size_stride_grouped((arg12_1, arg13_1, arg11_1), ((8, ), (8, ), ()), ((1, ), (1, ), ()), 'input')
-        buf18 = empty_strided_cpu((1, 8), (8, 1), torch.float32)
-        # Topologically Sorted Source Nodes: [_to_copy_1, add__2, mul_3, rsub_3, mul__2, sum_2, view_1, lerp__1, mul__3, addcmul__1, sqrt_3, pow_4, rsub_5, sqrt_2, pow_3, rsub_4, div_2, neg_1, mul_4, div_3, reciprocal_1, mul_5, add__3, addcdiv__1], Original ATen: [aten._to_copy, aten.add, aten.mul, aten.rsub, aten.sum, aten.view, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
-        raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_sum_view_5.run(buf17, arg1_1, arg26_1.item(), arg12_1, arg13_1, arg11_1, buf18, arg1_1, arg12_1, arg13_1, 8, stream=raw_streamNone)
-        del arg12_1
-        del arg13_1
-        del arg1_1
-        buf19 = empty_strided_cpu((8, 4), (4, 1), torch.float32)
+        buf24 = empty_strided_cpu((8, 4), (4, 1), torch.float32)
         # Topologically Sorted Source Nodes: [t_6, mm_2], Original ATen: [aten.t, aten.mm]
-        extern_kernels.mm(reinterpret_tensor(buf17, (8, 3), (1, 8), 0), arg6_1, out=buf19)
+        extern_kernels.mm(reinterpret_tensor(buf21, (8, 3), (1, 8), 0), arg6_1, out=buf24)
         del arg6_1
-        del buf17
+        del buf21
         assert_size_stride_grouped((arg9_1, arg10_1, arg8_1), ((8, 4), (8, 4), ()), ((4, 1), (4, 1), ()), 'input')
-        # Topologically Sorted Source Nodes: [_to_copy, add_, mul, rsub, mul_, lerp_, mul__1, addcmul_, sqrt_1, pow_2, rsub_2, sqrt, pow_1, rsub_1, div, neg, mul_1, div_1, reciprocal, mul_2, add__1, addcdiv_], Original ATen: [aten._to_copy, aten.add, aten.mul, aten.rsub, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
+        # Topologically Sorted Source Nodes: [select_3, select, select_1, select_2, _to_copy, add_, mul, rsub, mul_, rsub_1, lerp_, mul__1, rsub_2, mul_1, addcmul_, sqrt_1, pow_2, rsub_4, sqrt, pow_1, rsub_3, div, neg, mul_2, div_1, div_2, add__1, addcdiv_], Original ATen: [aten.select, aten._to_copy, aten.add, aten.mul, aten.rsub, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.addcdiv, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_6.run(arg0_1, arg26_1.item(), arg9_1, buf19, arg10_1, arg8_1, arg0_1, arg9_1, arg10_1, 32, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_rsub_select_sqrt_6.run(arg0_1, arg26_1.item(), arg27_1, buf24, arg9_1, arg10_1, arg8_1, arg0_1, arg9_1, arg10_1, 32, stream=raw_streamNone)
         del arg0_1
         del arg10_1
-        del arg9_1
-        assert_size_stride_grouped((arg21_1, arg22_1, arg20_1), ((2, 8), (2, 8), ()), ((8, 1), (8, 1), ()), 'input')
-        # Topologically Sorted Source Nodes: [_to_copy_4, add__8, mul_12, rsub_12, mul__8, lerp__4, mul__9, addcmul__4, sqrt_9, pow_10, rsub_14, sqrt_8, pow_9, rsub_13, div_8, neg_4, mul_13, div_9, reciprocal_4, mul_14, add__9, addcdiv__4], Original ATen: [aten._to_copy, aten.add, aten.mul, aten.rsub, aten.lerp, aten.addcmul, aten.sqrt, aten.pow, aten.div, aten.neg, aten.reciprocal, aten.addcdiv, aten.copy_]
-        raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_addcdiv_addcmul_copy__div_lerp_mul_neg_pow_reciprocal_rsub_sqrt_7.run(arg4_1, arg26_1.item(), arg21_1, buf10, arg22_1, arg20_1, arg4_1, arg21_1, arg22_1, 16, stream=raw_streamNone)
-        del arg21_1
-        del arg22_1
         del arg26_1
-        del arg4_1
+        del arg27_1
+        del arg9_1
         # Topologically Sorted Source Nodes: [_to_copy, add_, copy_], Original ATen: [aten._to_copy, aten.add, aten.copy, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_copy_copy__8.run(arg8_1, arg8_1, 1, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_copy_copy__7.run(arg8_1, arg8_1, 1, stream=raw_streamNone)
         del arg8_1
         # Topologically Sorted Source Nodes: [_to_copy_1, add__2, copy__1], Original ATen: [aten._to_copy, aten.add, aten.copy, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_copy_copy__8.run(arg11_1, arg11_1, 1, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_copy_copy__7.run(arg11_1, arg11_1, 1, stream=raw_streamNone)
         del arg11_1
         # Topologically Sorted Source Nodes: [_to_copy_2, add__4, copy__2], Original ATen: [aten._to_copy, aten.add, aten.copy, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_copy_copy__8.run(arg14_1, arg14_1, 1, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_copy_copy__7.run(arg14_1, arg14_1, 1, stream=raw_streamNone)
         del arg14_1
         # Topologically Sorted Source Nodes: [_to_copy_3, add__6, copy__3], Original ATen: [aten._to_copy, aten.add, aten.copy, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_copy_copy__8.run(arg17_1, arg17_1, 1, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_copy_copy__7.run(arg17_1, arg17_1, 1, stream=raw_streamNone)
         del arg17_1
         # Topologically Sorted Source Nodes: [_to_copy_4, add__8, copy__4], Original ATen: [aten._to_copy, aten.add, aten.copy, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_copy_copy__8.run(arg20_1, arg20_1, 1, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_copy_copy__7.run(arg20_1, arg20_1, 1, stream=raw_streamNone)
         del arg20_1
         # Topologically Sorted Source Nodes: [_to_copy_5, add__10, copy__5], Original ATen: [aten._to_copy, aten.add, aten.copy, aten.copy_]
         raw_streamNone = get_raw_stream(None)
-        triton_poi_fused__to_copy_add_copy_copy__8.run(arg23_1, arg23_1, 1, stream=raw_streamNone)
+        triton_poi_fused__to_copy_add_copy_copy__7.run(arg23_1, arg23_1, 1, stream=raw_streamNone)
         del arg23_1
-        return (buf182, buf19, reinterpret_tensor(buf18, (8, ), (1, ), 0), buf13, buf14, buf10, reinterpret_tensor(buf9, (2, ), (1, ), 0), )
+        return (buf182, buf24, reinterpret_tensor(buf22, (8, ), (1, ), 0), buf15, buf17, buf11, reinterpret_tensor(buf9, (2, ), (1, ), 0), )
 
 runner = Runner(partitions=[])
 call = runner.call
@@ -1715,17 +1820,22 @@ OPTIMIZERS: list[dict[str, "Any"]] = [
         "class": "AdamW",
         "groups": [
             {
+                "guards": [("weight_decay", None, "ne", 0.0, True)],
                 "lr": ("torch.float64", "cpu"),
                 "options": {
                     "amsgrad": False,
-                    "betas": (0.9, 0.999),
                     "decoupled_weight_decay": True,
                     "differentiable": False,
-                    "eps": 1e-08,
                     "maximize": False,
-                    "weight_decay": 0.1,
                 },
                 "params": [0, 1, 2, 3, 4, 5],
+                "values": [
+                    ("betas", 0),
+                    ("betas", 1),
+                    ("eps", None),
+                    ("weight_decay", None),
+                ],
+                "values_dtype": "torch.float64",
             }
         ],
         "position": 1,
@@ -2203,7 +2313,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 2409b9e522f7beaf14c02d136dd439b4999037032dc69162255fabea70d4bdd8)
+# 4. Runtime support: support + optimizers (sha256 9c0fb67d02259cd4b827a304f31a952369692f2d7a09bc2f7d1973e9843d1081)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
