@@ -13,6 +13,11 @@ and the bias corrections in tensors: the default one turns them into Python numb
 the same update up to floating-point rounding, as does an optimizer built with
 ``fused=True``, whose step is traced unfused.
 
+A parameter without state gets what the optimizer's first step creates, at capture
+(``_first_state``) as in the artifact at each call: zeros, but where ``_first_fills``
+records a number (NAdam's ``mu_product``, ASGD's ``mu``) or the group's ``lr`` at that
+step (ASGD's ``eta``, Rprop's ``step_size``).
+
 Any other optimizer stays an opaque argument: ``zero_grad()`` on it is replayed, as
 for every optimizer, and ``step()`` on it is refused (``grad_resets``).
 """
@@ -42,6 +47,9 @@ SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RAdam,
     torch.optim.RMSprop,
     torch.optim.Adadelta,
+    torch.optim.NAdam,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
 )
 # Group values that change nothing in the update the graph computes: ``lr`` is an
 # input of each call, and the capturable formulation is traced whatever the flags
@@ -53,6 +61,11 @@ _UNCHECKED_OPTIONS = ("lr", "capturable", "foreach", "fused")
 # (``value=-lr``), which a trace cannot follow from one call to the next: their
 # foreach step, which computes the same update with the ``lr`` tensor, is traced.
 _TENSOR_LR_IN_FOREACH_ONLY = (torch.optim.RMSprop, torch.optim.Adadelta)
+# Optimizers whose step reads ``lr`` only where their first step creates the state
+# (Rprop's initial step sizes): the graph has the lr input but never reads it.
+LR_AT_FIRST_STEP_ONLY = ("Rprop",)
+# State a step keeps as one number per parameter (0-dim, in the step count's dtype).
+_SCALAR_KEYS = ("step", "mu_product", "eta", "mu")
 
 
 @dataclass
@@ -102,7 +115,14 @@ def lift(
     state, tensors = _first_states(optimizer, groups, params, sparse, where)
     return LiftedOptimizer(
         optimizer,
-        OptimizerArgument(position, name, groups, steps=False, state=state),
+        OptimizerArgument(
+            position,
+            name,
+            groups,
+            steps=False,
+            state=state,
+            first_state=_first_fills(optimizer),
+        ),
         tensors,
     )
 
@@ -223,16 +243,14 @@ def _first_state(
     where: str,
 ) -> dict[str, torch.Tensor]:
     """Copies of ``param``'s state, or what the optimizer's first step creates for it
-    (zeros, which the first update treats as eager's fresh state)."""
+    (``_fresh``), which the first update treats as eager's fresh state."""
     name = type(optimizer).__name__
     keys = _state_keys(optimizer, group)
     existing = optimizer.state.get(param)
     if not existing:
+        fills = _first_fills(optimizer)
         return {
-            key: torch.zeros((), dtype=_scalar_dtype(), device=param.device)
-            if key == "step"
-            else torch.zeros_like(param)
-            for key in keys
+            key: _fresh(key, param, fills.get(key, 0.0), group["lr"]) for key in keys
         }
     if list(existing) != keys or not all(
         isinstance(value, torch.Tensor) for value in existing.values()
@@ -246,9 +264,39 @@ def _first_state(
     return {key: value.detach().clone() for key, value in existing.items()}
 
 
+def _fresh(
+    key: str, param: torch.Tensor, fill: float | str, lr: object
+) -> torch.Tensor:
+    """The tensor ``key`` of ``param``'s state as its optimizer's first step creates it
+    (``_init_group`` of each class in torch.optim): 0-dim for a number the step keeps,
+    otherwise like the parameter; filled with
+    ``fill`` (``_first_fills``), ``lr`` where it says so."""
+    if key in _SCALAR_KEYS:
+        tensor = torch.zeros((), dtype=_scalar_dtype(), device=param.device)
+    else:
+        tensor = torch.zeros_like(param)
+    value = float(cast(Any, lr)) if fill == "lr" else float(fill)
+    if value != 0:
+        tensor.fill_(complex(value, value) if tensor.is_complex() else value)
+    return tensor
+
+
+def _first_fills(optimizer: torch.optim.Optimizer) -> dict[str, float | str]:
+    """What the first step fills each state key with, where not zeros: a number, or
+    "lr" for the group's lr at that step (the runtime creates the same)."""
+    if isinstance(optimizer, torch.optim.NAdam):
+        return {"mu_product": 1.0}
+    if isinstance(optimizer, torch.optim.ASGD):
+        # eta is the lr in the step count's dtype, as eager's as_tensor makes it.
+        return {"eta": "lr", "mu": 1.0}
+    if isinstance(optimizer, torch.optim.Rprop):
+        return {"step_size": "lr"}
+    return {}
+
+
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[str]:
     """The state a step keeps per parameter, in the order its first step creates it
-    (each a zero tensor: a step count of 0, or zeros like the parameter)."""
+    (``_fresh`` creates each)."""
     if isinstance(optimizer, torch.optim.SGD):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
     if isinstance(optimizer, torch.optim.Adamax):
@@ -259,6 +307,12 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list
         return [*keys, "grad_avg"] if group["centered"] else keys
     if isinstance(optimizer, torch.optim.Adadelta):
         return ["step", "square_avg", "acc_delta"]
+    if isinstance(optimizer, torch.optim.NAdam):
+        return ["step", "mu_product", "exp_avg", "exp_avg_sq"]
+    if isinstance(optimizer, torch.optim.ASGD):
+        return ["step", "eta", "mu", "ax"]
+    if isinstance(optimizer, torch.optim.Rprop):
+        return ["step", "prev", "step_size"]
     keys = ["step", "exp_avg", "exp_avg_sq"]  # Adam, AdamW, RAdam
     return [*keys, "max_exp_avg_sq"] if group.get("amsgrad") else keys
 

@@ -548,7 +548,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 2409b9e522f7beaf14c02d136dd439b4999037032dc69162255fabea70d4bdd8)
+# 4. Runtime support: support + optimizers (sha256 8f2e639a66c7d7b8f99144e0c9305861bc1f2b6462fcf4b6f152bb89f326a869)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
