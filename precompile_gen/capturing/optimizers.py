@@ -11,7 +11,8 @@ The step is traced as torch's ``capturable`` formulation, which keeps the step c
 and the bias corrections in tensors: the default one turns them into Python numbers
 (``.item()``), which a trace cannot follow from one call to the next. Both compute
 the same update up to floating-point rounding, as does an optimizer built with
-``fused=True``, whose step is traced unfused.
+``fused=True``, whose step is traced unfused. Adagrad and Adafactor have no
+capturable formulation: ``traceable_steps`` makes theirs traceable.
 
 A parameter without state gets what the optimizer's first step creates, at capture
 (``_first_state``) as in the artifact at each call: zeros, but where ``_first_fills``
@@ -37,6 +38,7 @@ from precompile_gen.capture_result import (
     OptimizerStateTensor,
     ParamGroup,
 )
+from precompile_gen.capturing import traceable_steps
 from precompile_gen.runtime.errors import PrecompileError
 
 SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
@@ -50,6 +52,8 @@ SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.NAdam,
     torch.optim.ASGD,
     torch.optim.Rprop,
+    torch.optim.Adagrad,
+    torch.optim.Adafactor,
 )
 # Group values that change nothing in the update the graph computes: ``lr`` is an
 # input of each call, and the capturable formulation is traced whatever the flags
@@ -60,7 +64,11 @@ _UNCHECKED_OPTIONS = ("lr", "capturable", "foreach", "fused")
 # Optimizers whose single-tensor step reads a tensor ``lr`` as a Python number
 # (``value=-lr``), which a trace cannot follow from one call to the next: their
 # foreach step, which computes the same update with the ``lr`` tensor, is traced.
-_TENSOR_LR_IN_FOREACH_ONLY = (torch.optim.RMSprop, torch.optim.Adadelta)
+_TENSOR_LR_IN_FOREACH_ONLY = (
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+    *traceable_steps.FOREACH,
+)
 # Optimizers whose step reads ``lr`` only where their first step creates the state
 # (Rprop's initial step sizes): the graph has the lr input but never reads it.
 LR_AT_FIRST_STEP_ONLY = ("Rprop",)
@@ -245,7 +253,7 @@ def _first_state(
     """Copies of ``param``'s state, or what the optimizer's first step creates for it
     (``_fresh``), which the first update treats as eager's fresh state."""
     name = type(optimizer).__name__
-    keys = _state_keys(optimizer, group)
+    keys = _state_keys(optimizer, group, param)
     existing = optimizer.state.get(param)
     if not existing:
         fills = _first_fills(optimizer)
@@ -269,10 +277,14 @@ def _fresh(
 ) -> torch.Tensor:
     """The tensor ``key`` of ``param``'s state as its optimizer's first step creates it
     (``_init_group`` of each class in torch.optim): 0-dim for a number the step keeps,
-    otherwise like the parameter; filled with
+    Adafactor's factored second moments, otherwise like the parameter; filled with
     ``fill`` (``_first_fills``), ``lr`` where it says so."""
     if key in _SCALAR_KEYS:
         tensor = torch.zeros((), dtype=_scalar_dtype(), device=param.device)
+    elif key in ("row_var", "col_var"):
+        shape = list(param.shape)
+        shape[-1 if key == "row_var" else -2] = 1
+        tensor = param.new_zeros(shape)
     else:
         tensor = torch.zeros_like(param)
     value = float(cast(Any, lr)) if fill == "lr" else float(fill)
@@ -291,10 +303,16 @@ def _first_fills(optimizer: torch.optim.Optimizer) -> dict[str, float | str]:
         return {"eta": "lr", "mu": 1.0}
     if isinstance(optimizer, torch.optim.Rprop):
         return {"step_size": "lr"}
+    if isinstance(optimizer, torch.optim.Adagrad):
+        # Its constructor's value for every group (a group's own is never read).
+        value = float(optimizer.defaults["initial_accumulator_value"])
+        return {"sum": value} if value else {}
     return {}
 
 
-def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[str]:
+def _state_keys(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
+) -> list[str]:
     """The state a step keeps per parameter, in the order its first step creates it
     (``_fresh`` creates each)."""
     if isinstance(optimizer, torch.optim.SGD):
@@ -313,6 +331,12 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list
         return ["step", "eta", "mu", "ax"]
     if isinstance(optimizer, torch.optim.Rprop):
         return ["step", "prev", "step_size"]
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return ["step", "sum"]
+    if isinstance(optimizer, torch.optim.Adafactor):
+        # Factored over the last two dimensions where there are two.
+        factored = param.dim() > 1
+        return ["step", "row_var", "col_var"] if factored else ["step", "variance"]
     keys = ["step", "exp_avg", "exp_avg_sq"]  # Adam, AdamW, RAdam
     return [*keys, "max_exp_avg_sq"] if group.get("amsgrad") else keys
 
@@ -334,7 +358,8 @@ def stepping_copies(
     """While ``fn`` is traced: each optimizer holds the trace's copies of its
     parameters (``param_copies``, in PARAM_NAMES order), of its state
     (``state_copies``, all optimizers' in order) and its groups' ``lr`` tensors
-    (``lrs``); it steps with the capturable formulation. Everything is put back."""
+    (``lrs``); it steps with the capturable formulation, or the traceable one of
+    ``traceable_steps``. Everything is put back."""
     state_iter = iter(state_copies)
     lr_iter = iter(lrs)
     widened = _WidenedCounts()
@@ -368,7 +393,8 @@ def stepping_copies(
             if group.get("fused"):
                 group["fused"] = False
     try:
-        yield
+        with traceable_steps.traceable(entry.optimizer for entry in lifted):
+            yield
         widened.write_back()
     finally:
         for entry, (state, groups, opt_called) in zip(lifted, saved, strict=True):

@@ -166,10 +166,14 @@ def precompiled(
     optimizer = make_optimizer(model)
     snapshot = StateSnapshot(model)
     groups = copy.copy(optimizer.param_groups)
+    # Empty but for an optimizer that creates its state in its constructor (Adagrad).
+    state = StateSnapshot(list(optimizer.state.values()))
+    keys = [list(values) for values in optimizer.state.values()]
     code, cache = pg.precompile(step, model, optimizer, *example, backend=backend)
     # Capture stepped copies: the example model and optimizer are as they were.
     snapshot.assert_unchanged()
-    assert not optimizer.state
+    state.assert_unchanged()
+    assert [list(values) for values in optimizer.state.values()] == keys
     assert optimizer.param_groups == groups
     return pg.load(code, cache)
 
@@ -281,6 +285,21 @@ EVERY_OPTIMIZER: dict[str, MakeOptimizer] = {
     # No weight decay: its groups differ in lr (a step size per group).
     "Rprop": lr_on_the_last_layer(
         lambda groups: torch.optim.Rprop(groups, lr=0.01, etas=(0.4, 1.3))
+    ),
+    # No capturable formulation: their step counts (Adafactor's norms too) are read
+    # from tensors in the trace. Adagrad creates its state in its constructor.
+    "Adagrad": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.Adagrad(
+            groups, lr=0.05, lr_decay=0.1, initial_accumulator_value=0.1
+        )
+    ),
+    "Adafactor": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.Adafactor(groups, lr=0.05)
+    ),
+    "Adafactor-maximize": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.Adafactor(
+            groups, lr=0.05, beta2_decay=-0.5, eps=(1e-6, 1e-2), maximize=True
+        )
     ),
 }
 
