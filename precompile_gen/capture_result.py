@@ -174,6 +174,10 @@ class OptimizerArgument(NamedTuple):
     # leaves, in this order; a parameter's are created as its first step would
     # create them when the runtime optimizer has none yet.
     state: list[OptimizerStateTensor]
+    # What the first step fills a parameter's state with, by key, where not zeros:
+    # a number, or "lr" for its group's lr at that step (a complex tensor gets the
+    # complex number with both parts that value, as eager fills it).
+    first_state: dict[str, float | str]
 
 
 class SparseGradients(NamedTuple):
@@ -540,6 +544,8 @@ def _optimizer_constants(
                 for g in optimizer.groups
             ],
             "state": [tuple(t) for t in optimizer.state],
+            # Absent where every key starts as zeros.
+            **({"first_state": optimizer.first_state} if optimizer.first_state else {}),
         }
         for optimizer in optimizers
     ]

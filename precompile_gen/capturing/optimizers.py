@@ -11,7 +11,13 @@ The step is traced as torch's ``capturable`` formulation, which keeps the step c
 and the bias corrections in tensors: the default one turns them into Python numbers
 (``.item()``), which a trace cannot follow from one call to the next. Both compute
 the same update up to floating-point rounding, as does an optimizer built with
-``fused=True``, whose step is traced unfused.
+``fused=True``, whose step is traced unfused. Adagrad and Adafactor have no
+capturable formulation: ``traceable_steps`` makes theirs traceable.
+
+A parameter without state gets what the optimizer's first step creates, at capture
+(``_first_state``) as in the artifact at each call: zeros, but where ``_first_fills``
+records a number (NAdam's ``mu_product``, ASGD's ``mu``) or the group's ``lr`` at that
+step (ASGD's ``eta``, Rprop's ``step_size``).
 
 Any other optimizer stays an opaque argument: ``zero_grad()`` on it is replayed, as
 for every optimizer, and ``step()`` on it is refused (``grad_resets``).
@@ -32,7 +38,7 @@ from precompile_gen.capture_result import (
     OptimizerStateTensor,
     ParamGroup,
 )
-from precompile_gen.capturing import hyperparameters
+from precompile_gen.capturing import hyperparameters, traceable_steps
 from precompile_gen.runtime.errors import PrecompileError
 
 SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
@@ -43,6 +49,11 @@ SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RAdam,
     torch.optim.RMSprop,
     torch.optim.Adadelta,
+    torch.optim.NAdam,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+    torch.optim.Adagrad,
+    torch.optim.Adafactor,
 )
 # Group values that change nothing in the update the graph computes: ``lr`` is an
 # input of each call, and the capturable formulation is traced whatever the flags
@@ -53,7 +64,16 @@ _UNCHECKED_OPTIONS = ("lr", "capturable", "foreach", "fused")
 # Optimizers whose single-tensor step reads a tensor ``lr`` as a Python number
 # (``value=-lr``), which a trace cannot follow from one call to the next: their
 # foreach step, which computes the same update with the ``lr`` tensor, is traced.
-_TENSOR_LR_IN_FOREACH_ONLY = (torch.optim.RMSprop, torch.optim.Adadelta)
+_TENSOR_LR_IN_FOREACH_ONLY = (
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+    *traceable_steps.FOREACH,
+)
+# Optimizers whose step reads ``lr`` only where their first step creates the state
+# (Rprop's initial step sizes): the graph has the lr input but never reads it.
+LR_AT_FIRST_STEP_ONLY = ("Rprop",)
+# State a step keeps as one number per parameter (0-dim, in the step count's dtype).
+_SCALAR_KEYS = ("step", "mu_product", "eta", "mu")
 
 
 @dataclass
@@ -115,7 +135,14 @@ def lift(
     state, tensors = _first_states(optimizer, groups, params, sparse, where)
     return LiftedOptimizer(
         optimizer,
-        OptimizerArgument(position, name, groups, steps=False, state=state),
+        OptimizerArgument(
+            position,
+            name,
+            groups,
+            steps=False,
+            state=state,
+            first_state=_first_fills(optimizer),
+        ),
         tensors,
         candidates,
         hyperparameters.Reads(),
@@ -238,16 +265,14 @@ def _first_state(
     where: str,
 ) -> dict[str, torch.Tensor]:
     """Copies of ``param``'s state, or what the optimizer's first step creates for it
-    (zeros, which the first update treats as eager's fresh state)."""
+    (``_fresh``), which the first update treats as eager's fresh state."""
     name = type(optimizer).__name__
-    keys = _state_keys(optimizer, group)
+    keys = _state_keys(optimizer, group, param)
     existing = optimizer.state.get(param)
     if not existing:
+        fills = _first_fills(optimizer)
         return {
-            key: torch.zeros((), dtype=_scalar_dtype(), device=param.device)
-            if key == "step"
-            else torch.zeros_like(param)
-            for key in keys
+            key: _fresh(key, param, fills.get(key, 0.0), group["lr"]) for key in keys
         }
     if list(existing) != keys or not all(
         isinstance(value, torch.Tensor) for value in existing.values()
@@ -261,9 +286,49 @@ def _first_state(
     return {key: value.detach().clone() for key, value in existing.items()}
 
 
-def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[str]:
+def _fresh(
+    key: str, param: torch.Tensor, fill: float | str, lr: object
+) -> torch.Tensor:
+    """The tensor ``key`` of ``param``'s state as its optimizer's first step creates it
+    (``_init_group`` of each class in torch.optim): 0-dim for a number the step keeps,
+    Adafactor's factored second moments, otherwise like the parameter; filled with
+    ``fill`` (``_first_fills``), ``lr`` where it says so."""
+    if key in _SCALAR_KEYS:
+        tensor = torch.zeros((), dtype=_scalar_dtype(), device=param.device)
+    elif key in ("row_var", "col_var"):
+        shape = list(param.shape)
+        shape[-1 if key == "row_var" else -2] = 1
+        tensor = param.new_zeros(shape)
+    else:
+        tensor = torch.zeros_like(param)
+    value = float(cast(Any, lr)) if fill == "lr" else float(fill)
+    if value != 0:
+        tensor.fill_(complex(value, value) if tensor.is_complex() else value)
+    return tensor
+
+
+def _first_fills(optimizer: torch.optim.Optimizer) -> dict[str, float | str]:
+    """What the first step fills each state key with, where not zeros: a number, or
+    "lr" for the group's lr at that step (the runtime creates the same)."""
+    if isinstance(optimizer, torch.optim.NAdam):
+        return {"mu_product": 1.0}
+    if isinstance(optimizer, torch.optim.ASGD):
+        # eta is the lr in the step count's dtype, as eager's as_tensor makes it.
+        return {"eta": "lr", "mu": 1.0}
+    if isinstance(optimizer, torch.optim.Rprop):
+        return {"step_size": "lr"}
+    if isinstance(optimizer, torch.optim.Adagrad):
+        # Its constructor's value for every group (a group's own is never read).
+        value = float(optimizer.defaults["initial_accumulator_value"])
+        return {"sum": value} if value else {}
+    return {}
+
+
+def _state_keys(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
+) -> list[str]:
     """The state a step keeps per parameter, in the order its first step creates it
-    (each a zero tensor: a step count of 0, or zeros like the parameter)."""
+    (``_fresh`` creates each)."""
     if isinstance(optimizer, torch.optim.SGD):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
     if isinstance(optimizer, torch.optim.Adamax):
@@ -274,6 +339,18 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list
         return [*keys, "grad_avg"] if group["centered"] else keys
     if isinstance(optimizer, torch.optim.Adadelta):
         return ["step", "square_avg", "acc_delta"]
+    if isinstance(optimizer, torch.optim.NAdam):
+        return ["step", "mu_product", "exp_avg", "exp_avg_sq"]
+    if isinstance(optimizer, torch.optim.ASGD):
+        return ["step", "eta", "mu", "ax"]
+    if isinstance(optimizer, torch.optim.Rprop):
+        return ["step", "prev", "step_size"]
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return ["step", "sum"]
+    if isinstance(optimizer, torch.optim.Adafactor):
+        # Factored over the last two dimensions where there are two.
+        factored = param.dim() > 1
+        return ["step", "row_var", "col_var"] if factored else ["step", "variance"]
     keys = ["step", "exp_avg", "exp_avg_sq"]  # Adam, AdamW, RAdam
     return [*keys, "max_exp_avg_sq"] if group.get("amsgrad") else keys
 
@@ -298,7 +375,8 @@ def stepping_copies(
     (``state_copies``, all optimizers' in order), its groups' ``lr`` tensors
     (``lrs``) and, for each group with numbers its step may read at each call, the
     values tensor that carries them (``values``, see ``hyperparameters``); it steps
-    with the capturable formulation. Everything is put back."""
+    with the capturable formulation, or the traceable one of ``traceable_steps``.
+    Everything is put back."""
     state_iter = iter(state_copies)
     lr_iter = iter(lrs)
     values_iter = iter(values)
@@ -330,7 +408,8 @@ def stepping_copies(
                 _hyperparameters_in(group, number, candidates, next(values_iter), entry)
             _traceable_formulation(optimizer, group)
     try:
-        yield
+        with traceable_steps.traceable(entry.optimizer for entry in lifted):
+            yield
         widened.write_back()
     finally:
         for entry, (state, groups, opt_called) in zip(lifted, saved, strict=True):

@@ -34,8 +34,8 @@ from precompile_gen.runtime.errors import PrecompileError
 
 _SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 # Optimizers whose step takes sparse gradients in eager: SGD's (with or without
-# momentum), and SparseAdam's, which takes nothing else.
-_SPARSE_STEPPERS = (torch.optim.SGD, torch.optim.SparseAdam)
+# momentum), Adagrad's, and SparseAdam's, which takes nothing else.
+_SPARSE_STEPPERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
 
 
 def sparse_params(
@@ -222,8 +222,8 @@ def _check_stepper(
         f"the optimizer {name} at {where} steps the parameter "
         f"{param_names[indices[0]]!r}, whose gradient is sparse (module {module!r} "
         f"has sparse=True), and {name} does not take sparse gradients (eager's step "
-        "raises). Step that module's parameters with torch.optim.SparseAdam or SGD, "
-        f"and the rest with {name}, or build {module!r} with sparse=False."
+        "raises). Step that module's parameters with torch.optim.SparseAdam, SGD or "
+        f"Adagrad, and the rest with {name}, or build {module!r} with sparse=False."
     )
 
 

@@ -1191,7 +1191,12 @@ def _finish_optimizers(
     for argument in arguments:
         for number, group in enumerate(argument.groups):
             updated = any(index in grad_param_indices for index in group.params)
-            if argument.steps and updated and not placeholders[position].users:
+            if (
+                argument.steps
+                and updated
+                and not placeholders[position].users
+                and argument.name not in optimizers.LR_AT_FIRST_STEP_ONLY
+            ):
                 raise PrecompileError(
                     f"the step of the optimizer {argument.name} at "
                     f"{convention.argument(argument.position, names)} did not "

@@ -261,6 +261,7 @@ def _all_features_optimizer() -> OptimizerArgument:
                 0, "momentum_buffer", (4, 4), "torch.float32", "cpu", (4, 1)
             ),
         ],
+        first_state={},
     )
 
 

@@ -174,10 +174,14 @@ def precompiled(
     optimizer = make_optimizer(model)
     snapshot = StateSnapshot(model)
     groups = copy.copy(optimizer.param_groups)
+    # Empty but for an optimizer that creates its state in its constructor (Adagrad).
+    state = StateSnapshot(list(optimizer.state.values()))
+    keys = [list(values) for values in optimizer.state.values()]
     code, cache = pg.precompile(step, model, optimizer, *example, backend=backend)
     # Capture stepped copies: the example model and optimizer are as they were.
     snapshot.assert_unchanged()
-    assert not optimizer.state
+    state.assert_unchanged()
+    assert [list(values) for values in optimizer.state.values()] == keys
     assert optimizer.param_groups == groups
     return pg.load(code, cache)
 
@@ -233,6 +237,25 @@ def weight_decay_on_the_first_layer(
     return build
 
 
+def lr_on_the_last_layer(
+    make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+) -> MakeOptimizer:
+    """``make`` over two param groups of the MLP: its first layer, and its last with
+    an lr of its own, 0.005."""
+
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        assert isinstance(model, nn.Sequential)
+        first, last = model[0], model[-1]
+        return make(
+            [
+                {"params": list(first.parameters())},
+                {"params": list(last.parameters()), "lr": 0.005},
+            ]
+        )
+
+    return build
+
+
 # Each optimizer class torch.optim ships whose step the artifact captures, beyond
 # SGD, Adam and AdamW above, in its non-default configurations too.
 EVERY_OPTIMIZER: dict[str, MakeOptimizer] = {
@@ -253,6 +276,38 @@ EVERY_OPTIMIZER: dict[str, MakeOptimizer] = {
     ),
     "Adadelta": weight_decay_on_the_first_layer(
         lambda groups: torch.optim.Adadelta(groups, lr=1.0)
+    ),
+    # Their first steps create state that is not zeros: NAdam's mu_product, ASGD's
+    # eta (the lr) and mu, Rprop's step sizes (the lr).
+    "NAdam": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.NAdam(groups, lr=0.01)
+    ),
+    "NAdam-decoupled": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.NAdam(
+            groups, lr=0.01, decoupled_weight_decay=True, momentum_decay=0.005
+        )
+    ),
+    "ASGD": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.ASGD(groups, lr=0.05, lambd=0.01, t0=2)
+    ),
+    # No weight decay: its groups differ in lr (a step size per group).
+    "Rprop": lr_on_the_last_layer(
+        lambda groups: torch.optim.Rprop(groups, lr=0.01, etas=(0.4, 1.3))
+    ),
+    # No capturable formulation: their step counts (Adafactor's norms too) are read
+    # from tensors in the trace. Adagrad creates its state in its constructor.
+    "Adagrad": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.Adagrad(
+            groups, lr=0.05, lr_decay=0.1, initial_accumulator_value=0.1
+        )
+    ),
+    "Adafactor": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.Adafactor(groups, lr=0.05)
+    ),
+    "Adafactor-maximize": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.Adafactor(
+            groups, lr=0.05, beta2_decay=-0.5, eps=(1e-6, 1e-2), maximize=True
+        )
     ),
 }
 
@@ -418,6 +473,47 @@ def test_an_optimizer_that_has_already_stepped() -> None:
     run_side_by_side(
         forward, mlp, make_optimizer, one_cycle, train_step, batch, warm_up=2
     )
+
+
+@pytest.mark.parametrize("name", ["NAdam", "ASGD", "Rprop"])
+def test_a_first_state_that_is_not_zeros(name: str) -> None:
+    # Captured from an optimizer that has stepped (its state is copied, the example's
+    # left as it was), the artifact continues one that has stepped eagerly, and
+    # creates a fresh one's first state as eager does: ASGD's eta and Rprop's step
+    # sizes are the lr of that first call (OneCycleLR starts below the example's).
+    make_optimizer = EVERY_OPTIMIZER[name]
+    model = mlp()
+    optimizer = make_optimizer(model)
+    train_step(model, optimizer, *batch(50))
+    state = StateSnapshot(list(optimizer.state.values()))
+    code, cache = pg.precompile(
+        train_step, model, optimizer, *batch(0), backend="eager"
+    )
+    state.assert_unchanged()
+    forward = pg.load(code, cache)
+    run_side_by_side(
+        forward, mlp, make_optimizer, step_lr, train_step, batch, warm_up=1
+    )
+    run_side_by_side(forward, mlp, make_optimizer, one_cycle, train_step, batch)
+
+
+class ComplexLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.complex64) @ self.weight).abs()
+
+
+def test_complex_parameters_get_complex_first_state() -> None:
+    # Eager fills a complex parameter's first step sizes with complex(lr, lr).
+    def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Rprop(model.parameters(), lr=0.01)
+
+    forward = precompiled(ComplexLinear, make_optimizer, train_step, batch(0), "eager")
+    run_side_by_side(forward, ComplexLinear, make_optimizer, None, train_step, batch)
 
 
 def test_frozen_parameters_several_groups_and_batch_norm() -> None:

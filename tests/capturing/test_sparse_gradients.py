@@ -1,7 +1,7 @@
 """Sparse gradients of ``nn.Embedding`` and ``nn.EmbeddingBag`` (``sparse=True``):
 a recommendation-style training step through the artifact equals eager's on both
 backends (losses, parameters, the sparse ``.grad`` eager leaves, optimizer state),
-with SGD, with SparseAdam next to Adam, and with the optimizer outside the
+with SGD, with Adagrad, with SparseAdam next to Adam, and with the optimizer outside the
 function; what the artifact cannot reproduce is refused at capture, naming the
 module and the fix, and changes nothing."""
 
@@ -172,6 +172,20 @@ def test_plain_sgd_equals_eager() -> None:
         return [torch.optim.SGD(model.parameters(), lr=0.1)]
 
     for got, want in run_steps("eager", sgd_step, plain):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adagrad_steps_the_embeddings_after_the_graph(backend: str) -> None:
+    # The graph steps the dense head; the driver, Adagrad's own sparse step.
+    def adagrad(model: Recommender) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.Adagrad(
+                model.parameters(), lr=0.1, lr_decay=0.1, initial_accumulator_value=0.1
+            )
+        ]
+
+    for got, want in run_steps(backend, sgd_step, adagrad):
         torch.testing.assert_close(got, want)
 
 

@@ -2313,7 +2313,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 9c0fb67d02259cd4b827a304f31a952369692f2d7a09bc2f7d1973e9843d1081)
+# 4. Runtime support: support + optimizers (sha256 15d511d6488499453365c5eaaa96f2b25ef812232c8d31e215d547404cfd49a4)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

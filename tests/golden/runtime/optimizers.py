@@ -329,16 +329,13 @@ class _OptimizerArguments:
             for index, keys, signatures in layout:
                 param = tensors[index]
                 if index in fresh:
-                    # What the optimizer's first step creates, in its order of keys:
-                    # zeros like the parameter, and a step count of zero.
-                    param_state = step.created[index] = {
-                        key: (
-                            torch.zeros(shape, dtype=dtype, device=device)
-                            if key == "step"
-                            else torch.zeros_like(param)
-                        )
-                        for key, (shape, dtype, device) in zip(keys, signatures)
-                    }
+                    param_state = step.created[index] = _first_state(
+                        param,
+                        keys,
+                        signatures,
+                        spec.get("first_state", {}),
+                        _group_lr(optimizer, spec["groups"], index),
+                    )
                 else:
                     param_state = optimizer.state[param]
                 state.extend([param_state[key] for key in keys])
@@ -425,6 +422,41 @@ _COMPARISON_TEXT = {
     "gt": {True: ">", False: "<="},
     "ge": {True: ">=", False: "<"},
 }
+
+
+def _first_state(
+    param: torch.Tensor,
+    keys: list[str],
+    signatures: list[_Signature],
+    fills: dict[str, float | str],
+    lr: float | torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """What the optimizer's first step creates for ``param``, in its order of keys:
+    tensors laid out like the parameter where they match it, filled with zeros, or
+    the number or the group's ``lr`` that the capture recorded for the key
+    (``fills``); a complex tensor gets both parts that value, as eager fills it."""
+    state = {}
+    for key, (shape, dtype, device) in zip(keys, signatures):
+        if (shape, dtype, device) == (param.shape, param.dtype, param.device):
+            tensor = torch.zeros_like(param)
+        else:
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+        fill = fills.get(key, 0.0)
+        value = float(lr) if fill == "lr" else float(fill)
+        if value != 0:
+            tensor.fill_(complex(value, value) if tensor.is_complex() else value)
+        state[key] = tensor
+    return state
+
+
+def _group_lr(
+    optimizer: torch.optim.Optimizer, traced_groups: list[dict[str, Any]], index: int
+) -> float | torch.Tensor:
+    # The lr of the param group that holds the parameter at ``index``.
+    for group, traced in zip(optimizer.param_groups, traced_groups):
+        if index in traced["params"]:
+            return group["lr"]
+    raise AssertionError(f"no param group holds the parameter {index}")
 
 
 def _optimizer_state_problem(
