@@ -256,9 +256,18 @@ def lr_on_the_last_layer(
     return build
 
 
-# Each optimizer class torch.optim ships whose step the artifact captures, beyond
-# SGD, Adam and AdamW above, in its non-default configurations too.
+# Each optimizer class torch.optim ships whose step the artifact captures, in its
+# non-default configurations too.
 EVERY_OPTIMIZER: dict[str, MakeOptimizer] = {
+    "SGD-nesterov": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True)
+    ),
+    "Adam-amsgrad": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.Adam(groups, lr=0.01, amsgrad=True)
+    ),
+    "AdamW": weight_decay_on_the_first_layer(
+        lambda groups: torch.optim.AdamW(groups, lr=0.01)
+    ),
     "Adamax": weight_decay_on_the_first_layer(
         lambda groups: torch.optim.Adamax(groups, lr=0.01)
     ),
@@ -315,11 +324,33 @@ EVERY_OPTIMIZER: dict[str, MakeOptimizer] = {
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
 def test_every_optimizer_steps_as_eager_does(name: str, backend: str) -> None:
-    # Five steps against eager's (losses, parameters, every state tensor), with a
-    # schedule of lr, from a fresh optimizer: its first step creates the state.
+    # Five steps against eager's (losses, parameters, every state tensor), from a
+    # fresh optimizer (its first step creates the state), under a schedule that
+    # moves lr and every other number of each group at every step.
     make_optimizer = EVERY_OPTIMIZER[name]
     forward = precompiled(mlp, make_optimizer, train_step, batch(0), backend)
-    run_side_by_side(forward, mlp, make_optimizer, step_lr, train_step, batch, steps=5)
+    run_side_by_side(forward, mlp, make_optimizer, Nudge, train_step, batch, steps=5)
+
+
+class Nudge:
+    """A schedule of every number of every group: lr halves at each step, and each
+    other number (betas, eps, weight_decay, momentum, alpha, rho, lr_decay, etas,
+    ...) shrinks by 1%, which keeps a zero zero and a positive value positive."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        for group in self.optimizer.param_groups:
+            for key, value in group.items():
+                if key == "lr":
+                    group[key] = value * 0.5
+                elif isinstance(value, float):
+                    group[key] = value * 0.99
+                elif isinstance(value, tuple) and all(
+                    isinstance(item, float) for item in value
+                ):
+                    group[key] = tuple(item * 0.99 for item in value)
 
 
 class WarmUp:
