@@ -14,7 +14,9 @@ row are interleaved in rounds of ~10 ms each, and each overhead is the median ov
 the rounds of the difference between adjacent forward and call timings, so that load
 from other processes, which slows neighbouring timings alike, largely cancels. All
 rows are measured in this one run. Then what the check of an index input (token ids
-an embedding reads) costs on its own, taken from an artifact that has one.
+an embedding reads) costs on its own, taken from an artifact that has one, and what
+reading an optimizer's group numbers at each call (AdamW's betas, eps and weight
+decay) costs per param group.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -161,6 +164,53 @@ def index_check_costs() -> None:
         print(f"{label:<26} {whole * 1e6:>14.1f} {part * 1e6:>19.1f}")
 
 
+def adamw_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def group_value_costs() -> None:
+    """What reading a param group's numbers at each call costs on its own, per
+    group: checking them (numbers, and the guards the traced step recorded, here
+    ``weight_decay != 0``) and building the values tensor the graph reads
+    (AdamW's betas, eps and weight decay), next to building the lr tensor, which
+    every call did before."""
+    model = mlp(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    x = torch.randn(8, WIDTH)
+    code, _ = pg.precompile(adamw_step, model, opt, x, x, backend="eager")
+    namespace: dict[str, object] = {"__name__": "artifact"}
+    exec(compile(code, "<precompile_gen>", "exec"), namespace)
+    # The artifact's own runtime support, and its metadata.
+    values_problem: Any = namespace["_values_problem"]
+    group_value: Any = namespace["_group_value"]
+    optimizers: Any = namespace["OPTIMIZERS"]
+    traced = optimizers[0]["groups"][0]
+    group = opt.param_groups[0]
+
+    def read_values() -> object:
+        values_problem(group, traced, "param group 0")
+        numbers = [group_value(group, *entry) for entry in traced["values"]]
+        return torch.tensor(numbers, dtype=torch.float64)
+
+    def read_lr() -> object:
+        return torch.tensor(group["lr"], dtype=torch.float64)
+
+    values = _seconds_per_call(read_values, 5000)
+    lr = _seconds_per_call(read_lr, 5000)
+    names = ", ".join(k if i is None else f"{k}[{i}]" for k, i in traced["values"])
+    print(f"\ngroup numbers read at each call (one thread, per param group): {names}")
+    print(
+        f"  check and values tensor {values * 1e6:6.1f} µs; "
+        f"lr tensor {lr * 1e6:6.1f} µs"
+    )
+
+
 def main() -> None:
     default_threads = torch.get_num_threads()
     print(
@@ -193,6 +243,7 @@ def main() -> None:
     )
     torch.set_num_threads(1)
     index_check_costs()
+    group_value_costs()
 
 
 if __name__ == "__main__":
