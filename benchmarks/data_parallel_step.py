@@ -98,7 +98,9 @@ def _rank(rank: int, port: int, out_dir: str) -> None:  # runs in a spawned proc
     )
     try:
         rows = {}
-        for label, make in MODELS:
+        # The rows with the demo's AdamW, whose step the data-parallel runs take.
+        adamw = [(label, make) for label, make, opt in MODELS if opt is demo.optimizer]
+        for label, make in adamw:
             steppers = _steppers(make, rank)
             samples: dict[str, list[float]] = {system: [] for system in SYSTEMS}
             for round_index in range(ROUNDS):

@@ -3,7 +3,8 @@
     python benchmarks/train_step.py
 
 For two models, the demo CNN and a small transformer encoder block, each with the
-demo's AdamW (``demo.optimizer``), the demo's step (``demo.train_step``)
+demo's AdamW (``demo.optimizer``), and the encoder block again with RMSprop
+(centered, with momentum), the demo's step (``demo.train_step``)
 
     optimizer.zero_grad(); loss = ...; loss.backward(); optimizer.step()
 
@@ -71,18 +72,25 @@ def _encoder() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return EncoderBlock(), tokens, torch.randint(0, 10, (8,), generator=generator)
 
 
-MODELS: list[tuple[str, Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]]]] = [
-    ("demo CNN", demo.example),
-    ("encoder block", _encoder),
+def _rmsprop(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True)
+
+
+Example = Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]]
+MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
+MODELS: list[tuple[str, Example, MakeOptimizer]] = [
+    ("demo CNN", demo.example, demo.optimizer),
+    ("encoder block", _encoder, demo.optimizer),
+    ("encoder, RMSprop", _encoder, _rmsprop),
 ]
 
 
 def _steppers(
-    make: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    make: Example, make_optimizer: MakeOptimizer
 ) -> dict[str, Callable[[], object]]:
     model, inputs, labels = make()
     step = demo.train_step
-    code, cache = pg.precompile(step, model, demo.optimizer(model), inputs, labels)
+    code, cache = pg.precompile(step, model, make_optimizer(model), inputs, labels)
     artifact = pg.load(code, cache)
     compiled = torch.compile(step)
     runs: dict[str, Callable[..., object]] = {
@@ -94,7 +102,7 @@ def _steppers(
     for system in SYSTEMS:
         own = copy.deepcopy(model)
         one_step = functools.partial(
-            runs[system], own, demo.optimizer(own), inputs, labels
+            runs[system], own, make_optimizer(own), inputs, labels
         )
         # Warm up: torch.compile compiles here, and every system creates its
         # optimizer state on its first step.
@@ -111,10 +119,8 @@ def _seconds_per_step(run: Callable[[], object], repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def measure(
-    make: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
-) -> dict[str, float]:
-    steppers = _steppers(make)
+def measure(make: Example, make_optimizer: MakeOptimizer) -> dict[str, float]:
+    steppers = _steppers(make, make_optimizer)
     per_step = _seconds_per_step(steppers["eager"], 5)
     repeat = max(2, int(0.02 / per_step))
     samples: dict[str, list[float]] = {system: [] for system in SYSTEMS}
@@ -138,8 +144,8 @@ def main() -> None:
         f"{'precompile_gen ms':>19}{'vs compile':>12}{'vs eager':>10}"
     )
     verdicts = []
-    for label, make in MODELS:
-        times = measure(make)
+    for label, make, make_optimizer in MODELS:
+        times = measure(make, make_optimizer)
         ours = times["precompile_gen"]
         versus_compile = ours / times["torch.compile"]
         versus_eager = ours / times["eager"]

@@ -413,17 +413,26 @@ def stepping_copies(
         widened.write_back()
     finally:
         for entry, (state, groups, opt_called) in zip(lifted, saved, strict=True):
-            optimizer = entry.optimizer
-            optimizer.state = state
-            for group, original in zip(optimizer.param_groups, groups, strict=True):
-                group.clear()
-                group.update(original)
-            # A learning-rate scheduler's wrapper of step() marks the optimizer as
-            # stepped; the trace's step was no step of the example's.
-            if opt_called is None:
-                vars(optimizer).pop("_opt_called", None)
-            else:
-                cast(Any, optimizer)._opt_called = opt_called
+            _put_back(entry.optimizer, state, groups, opt_called)
+
+
+def _put_back(
+    optimizer: torch.optim.Optimizer,
+    state: Any,
+    groups: list[dict[str, Any]],
+    opt_called: object,
+) -> None:
+    """The example optimizer as it was before the trace stepped its copies."""
+    optimizer.state = state
+    for group, original in zip(optimizer.param_groups, groups, strict=True):
+        group.clear()
+        group.update(original)
+    # A learning-rate scheduler's wrapper of step() marks the optimizer as
+    # stepped; the trace's step was no step of the example's.
+    if opt_called is None:
+        vars(optimizer).pop("_opt_called", None)
+    else:
+        cast(Any, optimizer)._opt_called = opt_called
 
 
 def _traceable_formulation(

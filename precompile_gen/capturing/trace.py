@@ -1188,6 +1188,33 @@ def _finish_optimizers(
         arguments.append(
             entry.argument._replace(steps=id(entry.optimizer) in stepped, state=kept)
         )
+    position += _check_lrs_read(
+        arguments, placeholders[position:], grad_param_indices, names
+    )
+    arguments = [
+        argument._replace(groups=groups)
+        for argument, groups in zip(
+            arguments,
+            _groups_with_values(gm.graph, placeholders, position, lifted, unused),
+            strict=True,
+        )
+    ]
+    _drop_inputs(gm, unused)
+    gm.recompile()  # state_read may have erased nodes
+    for index in reversed(unused):
+        del flat_args[index]
+    return arguments
+
+
+def _check_lrs_read(
+    arguments: list[OptimizerArgument],
+    placeholders: list[torch.fx.Node],
+    grad_param_indices: list[int],
+    names: list[str],
+) -> int:
+    """Refuse a stepping optimizer whose step did not read a group's lr from its
+    tensor (``placeholders``, from the first lr on); how many lrs there are."""
+    position = 0
     for argument in arguments:
         for number, group in enumerate(argument.groups):
             updated = any(index in grad_param_indices for index in group.params)
@@ -1207,19 +1234,7 @@ def _finish_optimizers(
                     "the precompiled function."
                 )
             position += 1
-    arguments = [
-        argument._replace(groups=groups)
-        for argument, groups in zip(
-            arguments,
-            _groups_with_values(gm.graph, placeholders, position, lifted, unused),
-            strict=True,
-        )
-    ]
-    _drop_inputs(gm, unused)
-    gm.recompile()  # state_read may have erased nodes
-    for index in reversed(unused):
-        del flat_args[index]
-    return arguments
+    return position
 
 
 def _groups_with_values(
