@@ -354,16 +354,24 @@ class Nudge:
 
 
 class WarmUp:
-    """A hand-written schedule of the numbers other than lr: weight decay warms up,
-    and betas[0] (or momentum) and eps move at every step."""
+    """A hand-written schedule of the numbers other than lr: each group's weight
+    decay warms up to its initial value (a group without stays without), and
+    betas[0] (or momentum) and eps move at every step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer, self.steps = optimizer, 0
+        self.decays = [group["weight_decay"] for group in optimizer.param_groups]
+        self._set_decays()
+
+    def _set_decays(self) -> None:
+        ramp = min(1.0, (self.steps + 1) / 3)
+        for group, decay in zip(self.optimizer.param_groups, self.decays, strict=True):
+            group["weight_decay"] = decay * ramp
 
     def step(self) -> None:
         self.steps += 1
+        self._set_decays()
         for group in self.optimizer.param_groups:
-            group["weight_decay"] = 0.01 * min(1.0, (self.steps + 1) / 3)
             if "betas" in group:
                 group["betas"] = (0.8 + 0.03 * self.steps, group["betas"][1])
                 group["eps"] = 1e-8 * (1 + self.steps)
@@ -384,24 +392,28 @@ def cyclic_with_momentum(optimizer: torch.optim.Optimizer) -> Any:
 
 SCHEDULES: dict[str, tuple[MakeOptimizer, MakeScheduler]] = {
     "OneCycleLR-Adam": (
-        lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+        weight_decay_on_the_first_layer(lambda g: torch.optim.Adam(g, lr=0.01)),
         one_cycle_with_momentum,
     ),
     "OneCycleLR-SGD": (
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+        weight_decay_on_the_first_layer(
+            lambda g: torch.optim.SGD(g, lr=0.01, momentum=0.9)
+        ),
         one_cycle_with_momentum,
     ),
     "CyclicLR-SGD": (
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+        weight_decay_on_the_first_layer(
+            lambda g: torch.optim.SGD(g, lr=0.01, momentum=0.9)
+        ),
         cyclic_with_momentum,
     ),
     "warm-up-AdamW": (
-        lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.001),
+        weight_decay_on_the_first_layer(lambda g: torch.optim.AdamW(g, lr=0.01)),
         WarmUp,
     ),
     "warm-up-SGD-nesterov": (
-        lambda m: torch.optim.SGD(
-            m.parameters(), lr=0.01, momentum=0.5, nesterov=True, weight_decay=0.001
+        weight_decay_on_the_first_layer(
+            lambda g: torch.optim.SGD(g, lr=0.01, momentum=0.5, nesterov=True)
         ),
         WarmUp,
     ),
