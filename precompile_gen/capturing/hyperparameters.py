@@ -296,20 +296,17 @@ def substituted(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None)
     it, by the number, baked."""
     original = dict(kwargs or {})
     if func in _NUMBER_READERS:
-        return func(*_map(args, Hyperparameter.plain), **_plain_kw(original))
+        return func(*_map(args, _plain), **_map_kw(original, _plain))
     operands, keywords = _tensor_forms(getattr(func, "__name__", ""), args, original)
     try:
-        return func(
-            *_map(tuple(operands), _tensor_of),
-            **{key: _map(value, _tensor_of) for key, value in keywords.items()},
-        )
+        return func(*_map(tuple(operands), _tensor_of), **_map_kw(keywords, _tensor_of))
     except (TypeError, RuntimeError) as error:
         # The op takes a number here: its arguments were refused (TypeError), or it
         # read the 0-dim tensor as a number, which the trace refuses; either happens
         # while the arguments are parsed, before the op runs.
         if isinstance(error, RuntimeError) and not _read_as_number(error):
             raise
-        return func(*_map(args, Hyperparameter.plain), **_plain_kw(original))
+        return func(*_map(args, _plain), **_map_kw(original, _plain))
 
 
 def _tensor_forms(
@@ -351,8 +348,14 @@ def _tensor_of(value: Hyperparameter) -> torch.Tensor:
     return value.tensor
 
 
-def _plain_kw(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {key: _map(value, Hyperparameter.plain) for key, value in kwargs.items()}
+def _plain(value: Hyperparameter) -> float:
+    return value.plain()
+
+
+def _map_kw(
+    kwargs: dict[str, Any], convert: Callable[[Hyperparameter], Any]
+) -> dict[str, Any]:
+    return {key: _map(value, convert) for key, value in kwargs.items()}
 
 
 def is_candidate(value: object) -> bool:

@@ -122,13 +122,15 @@ def lift(
     for number, group in enumerate(optimizer.param_groups):
         candidates.append(hyperparameters.candidates(group, numbers))
         indices = _group_indices(group, number, index_of, name, where)
+        lr = _lr(group, params, indices)
         groups.append(
             ParamGroup(
                 indices,
                 _options(optimizer, group, number),
-                _lr(group, params, indices),
+                lr,
                 values=[],
-                values_dtype="torch.float64",
+                # Eager computes with these numbers in double precision, as with lr.
+                values_dtype=str(_widest_float(torch.device(lr[1]))),
                 guards=[],
             )
         )
@@ -474,7 +476,7 @@ def _hyperparameters_in(
 def value_tensors(lifted: list[LiftedOptimizer]) -> list[torch.Tensor]:
     """For each group (of each optimizer) with numbers its step may read at each
     call, the example's values, as the 1-D tensor the trace reads them from: on the
-    group's lr device, in double precision, as eager computes with them."""
+    group's lr device, in its ``values_dtype``."""
     tensors = []
     for entry in lifted:
         for group, spec, candidates in zip(
@@ -485,13 +487,12 @@ def value_tensors(lifted: list[LiftedOptimizer]) -> list[torch.Tensor]:
         ):
             if not candidates:
                 continue
-            _, device = spec.lr
             numbers = [
                 float(group[key] if index is None else group[key][index])
                 for key, index in candidates
             ]
-            dtype = _widest_float(torch.device(device))
-            tensors.append(torch.tensor(numbers, dtype=dtype, device=device))
+            dtype = getattr(torch, spec.values_dtype.removeprefix("torch."))
+            tensors.append(torch.tensor(numbers, dtype=dtype, device=spec.lr[1]))
     return tensors
 
 
@@ -513,15 +514,9 @@ def traced_group(
         for (g, key, index), name, other, outcome in reads.guards
         if g == number and key in free
     ]
-    values = candidates if values_read else []
-    if values:
-        dtype = str(_widest_float(torch.device(group.lr[1])))
-    else:
-        dtype = group.values_dtype
     return group._replace(
         options={k: v for k, v in group.options.items() if k not in free},
-        values=values,
-        values_dtype=dtype,
+        values=candidates if values_read else [],
         guards=guards,
     )
 

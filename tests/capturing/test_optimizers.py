@@ -870,19 +870,23 @@ def test_a_value_that_decides_the_structure_is_rejected_when_it_changes(
 ) -> None:
     # Adam without weight decay traced no decay at all: a decay now would be
     # another step, not other numbers.
+    # Checked at every call, also after calls that passed with this optimizer.
     model = mlp()
     optimizer = stepped_adam(model)
+    adam_step(model, optimizer, *batch(1))
     optimizer.param_groups[0]["weight_decay"] = 0.01
     message = rejected(adam_step, model, optimizer, *batch(1))
     assert "has weight_decay=0.01" in message
     assert "the traced step was built for weight_decay == 0.0" in message
     assert "decides which operations the step runs" in message
+    assert "Set it back, or capture again with this value" in message
     # A flag is built into the graph, and checked by value.
     optimizer = stepped_adam(model)
     optimizer.param_groups[0]["amsgrad"] = True
     message = rejected(adam_step, model, optimizer, *batch(1))
     assert "has amsgrad=True" in message
     assert "built with amsgrad=False" in message
+    assert "Set it back, or capture again with this value" in message
     # A value the graph reads at each call must be a number.
     optimizer = stepped_adam(model)
     optimizer.param_groups[0]["betas"] = (torch.tensor(0.9), 0.999)
@@ -902,6 +906,7 @@ def test_sgd_momentum_that_becomes_zero_is_rejected() -> None:
     message = rejected(forward, model, optimizer, *batch(1))
     assert "has momentum=0.0" in message
     assert "built for momentum != 0.0" in message
+    assert "Set it back, or capture again with this value" in message
 
 
 def test_state_of_another_layout_is_rejected(adam_step: Callable[..., object]) -> None:

@@ -565,7 +565,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + optimizers (sha256 15d511d6488499453365c5eaaa96f2b25ef812232c8d31e215d547404cfd49a4)
+# 4. Runtime support: support + optimizers (sha256 1482ef635a4d2924004babd70c04c110e628245174a86722a4250cf60409c334)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

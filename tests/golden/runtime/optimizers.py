@@ -279,8 +279,7 @@ class _OptimizerArguments:
         # step computes momentum * buffer + (1 - dampening) * gradient, which is that
         # copy from a zero buffer only without dampening (this call's, which the
         # graph may read at each call).
-        number = next(n for n, g in enumerate(traced_groups) if index in g["params"])
-        dampening = optimizer.param_groups[number].get("dampening", 0)
+        dampening = _group_of(optimizer, traced_groups, index).get("dampening", 0)
         if dampening != 0:
             return (
                 f"{subject} has no momentum buffer yet for the model's "
@@ -334,7 +333,7 @@ class _OptimizerArguments:
                         keys,
                         signatures,
                         spec.get("first_state", {}),
-                        _group_lr(optimizer, spec["groups"], index),
+                        _group_of(optimizer, spec["groups"], index)["lr"],
                     )
                 else:
                     param_state = optimizer.state[param]
@@ -378,6 +377,10 @@ def _group_value(group: dict[str, Any], key: str, index: int | None) -> object:
     return value[index] if isinstance(value, (tuple, list)) else None
 
 
+def _value_name(key: str, index: int | None) -> str:
+    return key if index is None else f"{key}[{index}]"
+
+
 def _values_problem(
     group: dict[str, Any], traced: dict[str, Any], where: str
 ) -> str | None:
@@ -386,7 +389,7 @@ def _values_problem(
     for key, index in traced.get("values", ()):
         value = _group_value(group, key, index)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            name = key if index is None else f"{key}[{index}]"
+            name = _value_name(key, index)
             return (
                 f"{where} has {name}={value!r}; the traced step reads it at each call "
                 "as a number. Set it to a Python number."
@@ -394,7 +397,7 @@ def _values_problem(
     for key, index, comparison, other, outcome in traced.get("guards", ()):
         value = _group_value(group, key, index)
         if _COMPARISONS[comparison](value, other) != outcome:
-            name = key if index is None else f"{key}[{index}]"
+            name = _value_name(key, index)
             traced_side = _COMPARISON_TEXT[comparison][outcome]
             return (
                 f"{where} has {name}={value!r}, but the traced step was built for "
@@ -449,13 +452,13 @@ def _first_state(
     return state
 
 
-def _group_lr(
+def _group_of(
     optimizer: torch.optim.Optimizer, traced_groups: list[dict[str, Any]], index: int
-) -> float | torch.Tensor:
-    # The lr of the param group that holds the parameter at ``index``.
+) -> dict[str, Any]:
+    # The optimizer's param group that holds the parameter at ``index``.
     for group, traced in zip(optimizer.param_groups, traced_groups):
         if index in traced["params"]:
-            return group["lr"]
+            return group
     raise AssertionError(f"no param group holds the parameter {index}")
 
 
