@@ -8,6 +8,7 @@ scenario returned to ``rank{N}.json``; ``run_ranks`` reads those files.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import socket
@@ -34,6 +35,9 @@ def _rank_main(
     *args: object,
 ) -> None:
     """The spawned process: join the group, run ``scenario``, write its result."""
+    # A rank that dies in native code (an abort, a segfault) prints every thread's
+    # Python stack first, so the test's captured output says where it was.
+    faulthandler.enable(all_threads=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # Each rank its own kernel cache folder, as on separate machines.
