@@ -81,8 +81,9 @@ def hoist_updates(gm: torch.fx.GraphModule, updated: set[int]) -> None:
     latest: torch.fx.Node | None = nodes[start - 1] if start else None
     fallible = _fallible_ops(nodes)
     last_fallible: torch.fx.Node | None = None
+    in_flight: dict[torch.fx.Node, set[torch.fx.Node]] = {}
     for index, node in enumerate(nodes):
-        read = {storage[n] for n in node.all_input_nodes if n in storage}
+        read = _read(node, storage, in_flight)
         written = _written(node, storage)
         if index >= start:
             anchor = _anchor(node, read, written, keys, last_write, last_touch, latest)
@@ -249,3 +250,23 @@ def _argument_values(node: torch.fx.Node) -> list[object]:
         node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
         for i, argument in enumerate(target._schema.arguments)
     ]
+
+
+def _read(
+    node: torch.fx.Node,
+    storage: dict[torch.fx.Node, torch.fx.Node],
+    in_flight: dict[torch.fx.Node, set[torch.fx.Node]],
+) -> set[torch.fx.Node]:
+    """The memory ``node`` reads. A functional collective reads its input until its
+    wait_tensor returns, so the wait reads it too (``in_flight``, by collective):
+    no write may land between the two."""
+    read = {storage[n] for n in node.all_input_nodes if n in storage}
+    target = node.target
+    if target is torch.ops._c10d_functional.wait_tensor.default:
+        return read.union(*(in_flight.get(n, set()) for n in node.all_input_nodes))
+    if (
+        isinstance(target, torch._ops.OpOverload)
+        and target.namespace in _COLLECTIVE_NAMESPACES
+    ):
+        in_flight[node] = read
+    return read

@@ -197,3 +197,25 @@ def test_each_gradient_is_freed_by_its_update_on_the_eager_backend(
     # ...where the traced order, every update after the whole backward, does.
     monkeypatch.setattr(update_order, "hoist_updates", lambda gm, updated: None)
     assert _peak_of_a_step(make()) > gradients
+
+
+def test_no_update_lands_between_a_collective_and_its_wait() -> None:
+    # A functional collective reads its input until wait_tensor returns it: the
+    # weight decay that writes the parameter in place must wait for the wait, or
+    # the all-gather may send the decayed values (FSDP2's forward gathers each
+    # parameter the optimizer later decays).
+    graph = torch.fx.Graph()
+    param, x = graph.placeholder("param"), graph.placeholder("x")
+    functional = torch.ops._c10d_functional
+    gathered = graph.call_function(
+        functional.all_gather_into_tensor.default, (param, 2, "0")
+    )
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    waited = graph.call_function(functional.wait_tensor.default, (gathered,))
+    total = graph.call_function(torch.ops.aten.sum.default, (waited,))
+    decay = graph.call_function(torch.ops.aten.mul_.Tensor, (param, 0.5))
+    graph.output([total, doubled])
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    update_order.hoist_updates(gm, {0})
+    order = list(gm.graph.nodes)
+    assert order.index(decay) > order.index(waited), order
