@@ -218,12 +218,16 @@ class DTensorLayout(NamedTuple):
 
 
 class ShardInput(NamedTuple):
-    """A DTensor graph input whose local shard the compiled graph takes (inductor):
-    the local ops and collectives it runs are those of this sharding."""
+    """A DTensor graph input whose local shard the graph takes (inductor, and a
+    fully_shard model on either backend): the local ops and collectives it runs are
+    those of this sharding, on a rank whose shard has this shape."""
 
     # The process group of each mesh dim, by name: the graph's collectives use them.
     mesh_groups: tuple[str, ...]
     placements: tuple[str, ...]
+    # Ranks' shards differ where a dim does not divide by the mesh: the graph pads
+    # and slices for the capturing rank's.
+    local_shape: tuple[int, ...]
 
 
 class ShardOutput(NamedTuple):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from precompile_gen.api import precompile
 from precompile_gen.capture_result import check_backend
-from precompile_gen.capturing import dtensors
+from precompile_gen.capturing import dtensors, fully_sharded
 from precompile_gen.runtime.cache import check_key, code_hash
 from precompile_gen.runtime.errors import PrecompileError
 from precompile_gen.runtime.files import write_pair
@@ -178,6 +178,18 @@ def _load_failed(
 
 
 def _reject_dtensors(example_inputs: tuple[object, ...]) -> None:
+    modules = [a for a in example_inputs if isinstance(a, torch.nn.Module)]
+    if fully_sharded.holds_sharded(modules):
+        raise PrecompileError(
+            "the example inputs hold a model sharded with fully_shard (FSDP2), "
+            "which precompile_once cannot capture for every rank: the graph is "
+            "traced on the source rank's own shards, and another rank's shards can "
+            "differ in size (a dim that does not divide by the mesh size is padded "
+            "on some ranks only), so its local ops and collectives would not be "
+            "that rank's. Call precompile() on every rank (each traces its own "
+            "shards; the trace itself communicates nothing), then load() the pair "
+            "there."
+        )
     if dtensors.holds_dtensors(example_inputs):
         raise PrecompileError(
             "the example inputs hold DTensors, which precompile_once cannot "

@@ -18,6 +18,11 @@ local ops and functional collectives its dispatch issues. The compiled graph tak
 the inputs' local shards (``SHARD_INPUTS`` records the sharding it computes for) and
 returns the local shards of the DTensor results, which the driver wraps again
 (``SHARD_OUTPUTS``).
+
+A model sharded with ``fully_shard`` is traced on the local shards from the start,
+for either backend (``on_local_shards``): its parameters are gathered by DTensor
+conversions, which a trace over DTensors cannot record but one over their local
+tensors records like any op (``fully_sharded``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from precompile_gen.capture_result import DTensorLayout, ShardInput, ShardOutput
 from precompile_gen.capturing import data_dependent
-from precompile_gen.codegen import convention
 from precompile_gen.runtime.errors import PrecompileError
 
 
@@ -91,15 +95,6 @@ def copy(
     return result.requires_grad_(tensor.requires_grad)
 
 
-def check_capture(example_inputs: tuple[object, ...], arguments: list[str]) -> None:
-    """Refuse, before anything runs, what the artifact cannot reproduce: FSDP2
-    modules (named as messages name the arguments, by the traced function's
-    ``arguments``)."""
-    for position, argument in enumerate(example_inputs):
-        if isinstance(argument, torch.nn.Module):
-            _reject_fully_sharded(argument, convention.argument(position, arguments))
-
-
 class LocalGraph(NamedTuple):
     """A graph over DTensors traced again over their local shards."""
 
@@ -150,11 +145,74 @@ def to_local_graph(
         local_gm,
         local_args,
         {
-            i: ShardInput(_mesh_groups(spec.mesh), _placement_reprs(spec.placements))
+            i: ShardInput(
+                _mesh_groups(spec.mesh),
+                _placement_reprs(spec.placements),
+                tuple(data(flat_args[i]).shape),  # type: ignore[arg-type]
+            )
             for i, spec in specs.items()
         },
         outputs,
     )
+
+
+class LocalTrace(NamedTuple):
+    """``flat_fn`` as make_fx traces it on local shards (``on_local_shards``)."""
+
+    fn: Callable[[list[Any]], list[object]]
+    # The DTensor results' placements and global shapes, by output position, filled
+    # as the trace runs.
+    outputs: dict[int, ShardOutput]
+
+
+def on_local_shards(
+    flat_fn: Callable[[list[Any]], list[object]], flat_args: list[object]
+) -> LocalTrace:
+    """``flat_fn`` over the local shards of ``flat_args``' DTensors: each call wraps
+    them in DTensors with the same specs, which the trace does not track (DTensor's
+    dispatch sends it the local ops and collectives), and returns the local shards of
+    the DTensor results. Autograd runs on the wrappers, so a backward inside
+    ``flat_fn`` is traced as the local ops DTensor issues for it, and so are
+    DTensor's conversions, which make wrappers around traced local tensors."""
+    from torch.distributed.tensor import DTensor
+
+    specs = {i: a._spec for i, a in enumerate(flat_args) if is_dtensor(a)}  # type: ignore[attr-defined]
+    _reject_mixed_meshes(specs)
+    trainable = {i for i in specs if getattr(flat_args[i], "requires_grad", False)}
+    outputs: dict[int, ShardOutput] = {}
+
+    def local_fn(local_args: list[Any]) -> list[object]:
+        wrapped = [
+            DTensor(arg, specs[i], requires_grad=i in trainable) if i in specs else arg
+            for i, arg in enumerate(local_args)
+        ]
+        results = []
+        for position, result in enumerate(flat_fn(wrapped)):
+            if is_dtensor(result):
+                outputs[position] = _shard_output(result)
+                result = result._local_tensor  # type: ignore[attr-defined]
+            results.append(result)
+        return results
+
+    return LocalTrace(local_fn, outputs)
+
+
+def local_args(flat_args: list[object]) -> list[object]:
+    """``flat_args`` with each DTensor replaced by its local shard."""
+    return [data(a) if is_dtensor(a) else a for a in flat_args]  # type: ignore[arg-type]
+
+
+def shard_inputs(flat_args: list[object]) -> dict[int, ShardInput]:
+    """The process groups and placements of the DTensors among ``flat_args``."""
+    return {
+        i: ShardInput(
+            _mesh_groups(a.device_mesh),  # type: ignore[attr-defined]
+            _placement_reprs(a.placements),  # type: ignore[attr-defined]
+            tuple(data(a).shape),  # type: ignore[arg-type]
+        )
+        for i, a in enumerate(flat_args)
+        if is_dtensor(a)
+    }
 
 
 def _shard_output(dtensor: Any) -> ShardOutput:
@@ -283,27 +341,6 @@ def holds_dtensors(arguments: tuple[object, ...]) -> bool:
             *pytree.tree_leaves(arguments),
         ]
     )
-
-
-def _reject_fully_sharded(module: torch.nn.Module, argument: str) -> None:
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None:
-        return
-    for name, sub in module.named_modules():
-        if isinstance(sub, fsdp.FSDPModule):
-            where = f"module {name!r} of " if name else ""
-            where += f"the module at {argument}"
-            raise PrecompileError(
-                f"{where} is sharded with fully_shard (FSDP2), which is not "
-                "supported yet: its hooks all-gather the parameters before each "
-                "forward and backward, free them after, and reduce-scatter the "
-                "gradients, swapping the module's parameters between sharded "
-                "DTensors and plain tensors outside the traced ops, so a trace "
-                "would build one call's swaps in and the artifact could not "
-                "hold the model to them. Capture a model whose parameters are "
-                "DTensors (distribute_module / distribute_tensor, or tensor "
-                "parallelism), or compile the FSDP2 model with torch.compile."
-            )
 
 
 def reject_aliasing(

@@ -22,7 +22,7 @@ from precompile_gen.capture_result import (
     StateTensor,
     TensorLiteral,
 )
-from precompile_gen.capturing import update_order
+from precompile_gen.capturing import data_parallel, update_order
 from precompile_gen.capturing.trace import TracedGraph
 from precompile_gen.codegen import inductor_imports
 from precompile_gen.runtime import kernel_binaries
@@ -396,6 +396,12 @@ def _inductor_options(traced: TracedGraph) -> dict[str, object]:
         "fallback_random": True,
         "post_grad_custom_post_pass": recompute.RecomputeFarReads(),
     }
+    if data_parallel.graph_groups(traced.gm):
+        # Inductor's locality pass moves each op next to its first user, but never a
+        # collective next to its wait: every all-gather would be issued at the start,
+        # every gathered parameter of a fully_shard model alive at once. The graph's
+        # own order keeps each one between its gather and its last use.
+        options["reorder_for_locality"] = False
     dtypes = _value_dtypes(traced.gm)
     if dtypes & _LOW_PRECISION:
         options["emulate_precision_casts"] = True

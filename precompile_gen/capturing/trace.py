@@ -51,6 +51,7 @@ from precompile_gen.capturing import (
     data_parallel,
     dtensors,
     dynamic_dims,
+    fully_sharded,
     global_modes,
     grad_resets,
     graph_checks,
@@ -232,14 +233,24 @@ def trace(
         fn, example_inputs, call, modes, lifted, user, inputs, harvest
     )
     generators = python_state.torch_generators(call.modules, user.leaves)
+    # A fully_shard model is traced on local shards from the start: its parameters
+    # are gathered by DTensor conversions, which only a trace of the local ops keeps.
+    on_shards = (
+        dtensors.on_local_shards(flat_fn, inputs.flat_args)
+        if fully_sharded.holds_sharded(call.modules)
+        else None
+    )
     gm = _make_fx(
         fn,
         call.fn_name,
-        flat_fn,
-        inputs.flat_args,
+        flat_fn if on_shards is None else on_shards.fn,
+        inputs.flat_args
+        if on_shards is None
+        else dtensors.local_args(inputs.flat_args),
         user.symbolic,
         decompositions,
         harvest.raised_by_fn,
+        on_shards=on_shards is not None,
     )
     python_state.reject_torch_generators(gm, fn, generators)
     if user.symbolic is not None:
@@ -249,8 +260,15 @@ def trace(
     graph_checks.check_graph_ops(gm)
     _hoist_updates(gm, lifted.state, inputs)
     local = None
+    if on_shards is not None:
+        local = dtensors.LocalGraph(
+            gm,
+            dtensors.local_args(inputs.flat_args),
+            dtensors.shard_inputs(inputs.flat_args),
+            on_shards.outputs,
+        )
     # Optimizer state is a DTensor only where its parameter is.
-    if backend == "inductor" and inputs.dtensor_layouts:
+    elif backend == "inductor" and inputs.dtensor_layouts:
         local = dtensors.to_local_graph(gm, inputs.flat_args, decompositions)
     return _record(
         gm,
@@ -292,14 +310,15 @@ def _classify_arguments(
     cannot keep before anything runs."""
     fn_name = function_name(fn)
     arguments = graph_names.argument_names(fn, len(example_inputs))
-    dtensors.check_capture(example_inputs, arguments)
     module_positions = [
         i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
     ]
     modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
     for position, module in zip(module_positions, modules, strict=True):
+        where = convention.argument(position, arguments)
+        fully_sharded.check_module(module, where)
         if data_parallel.is_data_parallel(module):
-            data_parallel.check_module(module, convention.argument(position, arguments))
+            data_parallel.check_module(module, where)
     optimizer_positions = [
         i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
     ]
@@ -351,7 +370,13 @@ def _read_module_modes(modules: list[torch.nn.Module]) -> _ModuleModes:
         hooks=[convention.module_hooks(module) for module in modules],
         global_hooks=convention.global_module_hooks(),
     )
-    _warn_of_hooks(modes.hooks, modes.global_hooks)
+    _warn_of_hooks(
+        [
+            fully_sharded.without_own_hooks(module, hooks)
+            for module, hooks in zip(modules, modes.hooks, strict=True)
+        ],
+        modes.global_hooks,
+    )
     return modes
 
 
@@ -627,6 +652,7 @@ def _running_on_graph_inputs(
         data_parallel.reducing(
             call.modules, *_module_params(state, flat, len(call.modules))
         ),
+        fully_sharded.unsharding(call.modules),
         sparse_gradients.deferring(
             [(e.argument.position, e.optimizer) for e in lifted.optimizers],
             call.sparse_steppers,
@@ -669,9 +695,12 @@ def _make_fx(
     symbolic: dynamic_dims.SymbolicInputs | None,
     decompositions: dict[Any, Callable[..., Any]] | None,
     raised_by_fn: list[Exception],
+    *,
+    on_shards: bool = False,
 ) -> torch.fx.GraphModule:
     """make_fx's graph of ``flat_fn``; fn's own exception reaches the caller as it
-    would eagerly, any other failure becomes a ``PrecompileError`` naming fn."""
+    would eagerly, any other failure becomes a ``PrecompileError`` naming fn. Traced
+    ``on_shards``, DTensor's conversions are recorded like any op."""
     try:
         # Grad mode on, so a backward inside fn is recorded as graph ops.
         mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
@@ -682,7 +711,9 @@ def _make_fx(
             _rnns_step_by_step(),
             python_state.refusing_python_rng(fn),
             data_parallel.functional_collectives(),
-            dtensors.refusing_conversions(fn_name),
+            contextlib.nullcontext()
+            if on_shards
+            else dtensors.refusing_conversions(fn_name),
         ):
             return make_fx(
                 flat_fn,
@@ -1278,7 +1309,8 @@ def _drop_inputs(gm: torch.fx.GraphModule, positions: list[int]) -> None:
 
 
 def _version(value: object) -> int | None:
-    return value._version if isinstance(value, torch.Tensor) else None
+    # A DTensor's local shard is what an update writes.
+    return dtensors.data(value)._version if isinstance(value, torch.Tensor) else None
 
 
 def _leaf_value(leaf: object) -> LeafValue | None:

@@ -286,7 +286,8 @@ def _all_features_graph(graph: CompiledGraph) -> CompiledGraph:
 
 def _distributed(capture: CaptureResult) -> CaptureResult:
     """``capture`` with a process group, a DDP argument and DTensor inputs."""
-    # The eager backend replays DTensor ops; only inductor computes on shards.
+    # The eager backend replays DTensor ops (``on_shards_capture``: unless traced on
+    # the local shards); inductor computes on shards.
     eager = capture.backend == "eager"
     return dataclasses.replace(
         capture,
@@ -303,15 +304,25 @@ def _distributed(capture: CaptureResult) -> CaptureResult:
             0: DTensorLayout((2,), ("Shard(dim=0)",)),
             2: DTensorLayout((2,), ("Replicate()",)),
         },
-        shard_inputs={}
-        if eager
-        else {
-            0: ShardInput(("0",), ("Shard(dim=0)",)),
-            2: ShardInput(("0",), ("Replicate()",)),
-        },
-        shard_outputs={}
-        if eager
-        else {0: ShardOutput(("Partial(sum)",), (2, 4), (4, 1))},
+        shard_inputs={} if eager else _SHARD_INPUTS,
+        shard_outputs={} if eager else _SHARD_OUTPUTS,
+    )
+
+
+_SHARD_INPUTS = {
+    0: ShardInput(("0",), ("Shard(dim=0)",), (1, 4)),
+    2: ShardInput(("0",), ("Replicate()",), (2, 4)),
+}
+_SHARD_OUTPUTS = {0: ShardOutput(("Partial(sum)",), (2, 4), (4, 1))}
+
+
+def on_shards_capture(backend: Backend) -> CaptureResult:
+    """``all_features_capture`` traced on the local shards, as a fully_shard model's
+    step is on either backend."""
+    return dataclasses.replace(
+        all_features_capture(backend),
+        shard_inputs=_SHARD_INPUTS,
+        shard_outputs=_SHARD_OUTPUTS,
     )
 
 
@@ -341,6 +352,7 @@ def no_features_capture(backend: Backend) -> CaptureResult:
 STUBS: dict[str, Callable[[Backend], CaptureResult]] = {
     "all_features": all_features_capture,
     "no_features": no_features_capture,
+    "on_shards": on_shards_capture,
 }
 
 

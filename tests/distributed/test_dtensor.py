@@ -1,6 +1,6 @@
-"""DTensor parameters and inputs (what distribute_module, tensor parallelism and FSDP2
-make) on a real 2-rank gloo group: every rank captures its own shard with
-``precompile`` and runs the artifact against eager DTensor code.
+"""DTensor parameters and inputs (what distribute_module and tensor parallelism make;
+FSDP2's are in test_fully_shard.py) on a real 2-rank gloo group: every rank captures
+its own shard with ``precompile`` and runs the artifact against eager DTensor code.
 
 Spawning a group costs seconds, so one group runs every scenario (``_results``) and
 the tests read what each rank recorded.
@@ -21,7 +21,6 @@ import torch.distributed as dist
 from helpers.distributed import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import (
     DTensor,
     Replicate,
@@ -307,7 +306,6 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
         *pg.precompile(predict, _plain_model(), x.full_tensor(), backend="eager")
     )
     sharded = _sharded_model(mesh)
-    fsdp = fully_shard(_plain_model(), mesh=mesh)
     tensor_parallel = parallelize_module(
         _plain_model(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()}
     )
@@ -319,9 +317,6 @@ def refused_captures(mesh: DeviceMesh) -> dict[str, Any]:
         ),
         "full_tensor": _refusal(
             lambda: pg.precompile(predict_full, sharded, x, backend="eager")
-        ),
-        "fsdp2": _refusal(
-            lambda: pg.precompile(train_step, fsdp, x.full_tensor(), backend="eager")
         ),
         "aliasing": _refusal(
             lambda: pg.precompile(step_on_two_inputs, sharded, x, x, backend="eager")
@@ -460,8 +455,9 @@ def test_the_compiled_graph_takes_local_shards_of_the_captured_sharding(
         shards = recorded["shard inputs"]
         # The parameters, then AdamW's state of each (step, exp_avg, exp_avg_sq),
         # all on the default group's mesh; the input leaf too.
-        assert shards["0"] == [["0"], ["Shard(dim=0)"]], shards
-        assert shards["2"] == [["0"], ["Replicate()"]], shards
+        # Each with the shape of this rank's shard: half of up.weight's 8 rows.
+        assert shards["0"] == [["0"], ["Shard(dim=0)"], [4, 4]], shards
+        assert shards["2"] == [["0"], ["Replicate()"], [4, 8]], shards
         assert len(shards) > 5, shards
         # The backward's all-reduces run on the default group: each call must
         # bring it.
@@ -541,13 +537,6 @@ def test_the_compiled_graph_refuses_a_mesh_over_other_groups(
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        (
-            "fsdp2",
-            [
-                "sharded with fully_shard (FSDP2), which is not supported yet",
-                "Capture a model whose parameters are DTensors",
-            ],
-        ),
         (
             "tensor parallel",
             [
