@@ -80,6 +80,7 @@ def check_module(module: torch.nn.Module, argument: str) -> None:
             )
         for group in state._fsdp_param_groups:
             _check_group(where, group)
+            _check_sharded_now(where, group)
 
 
 def _check_group(where: str, group: Any) -> None:
@@ -116,6 +117,22 @@ def _check_group(where: str, group: Any) -> None:
         )
     for problem, fix in _event_settings(group):
         _refuse(where, problem, "the artifact does not run FSDP2's own hooks", fix)
+
+
+def _check_sharded_now(where: str, group: Any) -> None:
+    """Refuse a module FSDP2 left unsharded: its parameters are whole plain tensors
+    until it reshards, and a capture of them would reduce no gradient."""
+    for param in group.fsdp_params:
+        owner, name = _slots(param._module_info)[0]
+        if not dtensors.is_dtensor(owner._parameters[name]):
+            _refuse(
+                where,
+                f"holds its parameter {name!r} unsharded (a forward ran without its "
+                "backward, or unshard() was called)",
+                "FSDP2 keeps whole parameters in the module until it reshards, and "
+                "the artifact's convention would hold every call to them",
+                "call reshard() on the fully_shard modules before precompiling",
+            )
 
 
 def _event_settings(group: Any) -> Iterator[tuple[str, str]]:
@@ -295,9 +312,6 @@ class _ParameterSwaps:
             owner._parameters[name] = sharded  # type: ignore[assignment]
 
     def _gather(self, sharded: torch.Tensor) -> torch.Tensor:
-        if not dtensors.is_dtensor(sharded):
-            # A parameter FSDP2 was told to ignore stays a plain tensor.
-            return sharded
         whole = _all_gathered(sharded)
         if self.reshard and whole.requires_grad:
             self.unsharding.regathered[_storage_key(whole)] = _Gathered(sharded, whole)

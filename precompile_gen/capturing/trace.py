@@ -233,8 +233,7 @@ def trace(
         fn, example_inputs, call, modes, lifted, user, inputs, harvest
     )
     generators = python_state.torch_generators(call.modules, user.leaves)
-    # A fully_shard model is traced on local shards from the start: its parameters
-    # are gathered by DTensor conversions, which only a trace of the local ops keeps.
+    # A fully_shard model's trace runs on local shards (``fully_sharded``).
     on_shards = (
         dtensors.on_local_shards(flat_fn, inputs.flat_args)
         if fully_sharded.holds_sharded(call.modules)
@@ -243,14 +242,12 @@ def trace(
     gm = _make_fx(
         fn,
         call.fn_name,
-        flat_fn if on_shards is None else on_shards.fn,
-        inputs.flat_args
-        if on_shards is None
-        else dtensors.local_args(inputs.flat_args),
+        flat_fn,
+        inputs.flat_args,
         user.symbolic,
         decompositions,
         harvest.raised_by_fn,
-        on_shards=on_shards is not None,
+        on_shards,
     )
     python_state.reject_torch_generators(gm, fn, generators)
     if user.symbolic is not None:
@@ -259,17 +256,7 @@ def trace(
     constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
     graph_checks.check_graph_ops(gm)
     _hoist_updates(gm, lifted.state, inputs)
-    local = None
-    if on_shards is not None:
-        local = dtensors.LocalGraph(
-            gm,
-            dtensors.local_args(inputs.flat_args),
-            dtensors.shard_inputs(inputs.flat_args),
-            on_shards.outputs,
-        )
-    # Optimizer state is a DTensor only where its parameter is.
-    elif backend == "inductor" and inputs.dtensor_layouts:
-        local = dtensors.to_local_graph(gm, inputs.flat_args, decompositions)
+    local = _local_graph(gm, on_shards, inputs, backend, decompositions)
     return _record(
         gm,
         local,
@@ -283,6 +270,28 @@ def trace(
         updates,
         constants,
     )
+
+
+def _local_graph(
+    gm: torch.fx.GraphModule,
+    on_shards: dtensors.LocalTrace | None,
+    inputs: _GraphInputs,
+    backend: Backend,
+    decompositions: dict[Any, Callable[..., Any]] | None,
+) -> dtensors.LocalGraph | None:
+    """The graph on the DTensor inputs' local shards, where the graph to lower is
+    one: traced so (``on_shards``), or traced again so for inductor."""
+    if on_shards is not None:
+        return dtensors.LocalGraph(
+            gm,
+            dtensors.local_args(inputs.flat_args),
+            dtensors.shard_inputs(inputs.flat_args),
+            on_shards.outputs,
+        )
+    # Optimizer state is a DTensor only where its parameter is.
+    if backend == "inductor" and inputs.dtensor_layouts:
+        return dtensors.to_local_graph(gm, inputs.flat_args, decompositions)
+    return None
 
 
 @dataclass
@@ -695,12 +704,14 @@ def _make_fx(
     symbolic: dynamic_dims.SymbolicInputs | None,
     decompositions: dict[Any, Callable[..., Any]] | None,
     raised_by_fn: list[Exception],
-    *,
-    on_shards: bool = False,
+    on_shards: dtensors.LocalTrace | None,
 ) -> torch.fx.GraphModule:
     """make_fx's graph of ``flat_fn``; fn's own exception reaches the caller as it
     would eagerly, any other failure becomes a ``PrecompileError`` naming fn. Traced
-    ``on_shards``, DTensor's conversions are recorded like any op."""
+    ``on_shards`` (its function on the local shards of ``flat_args``), DTensor's
+    conversions are recorded like any op."""
+    if on_shards is not None:
+        flat_fn, flat_args = on_shards.fn, dtensors.local_args(flat_args)
     try:
         # Grad mode on, so a backward inside fn is recorded as graph ops.
         mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
@@ -712,7 +723,7 @@ def _make_fx(
             python_state.refusing_python_rng(fn),
             data_parallel.functional_collectives(),
             contextlib.nullcontext()
-            if on_shards
+            if on_shards is not None
             else dtensors.refusing_conversions(fn_name),
         ):
             return make_fx(

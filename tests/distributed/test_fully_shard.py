@@ -198,6 +198,7 @@ def refusals(mesh: DeviceMesh) -> dict[str, str]:
         "no gradient sync": refusal(call("set_requires_gradient_sync", False)),
         "all-reduce hook": refusal(call("set_all_reduce_hook", lambda t: None)),
         "divide factor": refusal(call("set_gradient_divide_factor", 4.0)),
+        "unsharded": refusal(call("unshard")),
         "precompile_once": once,
     }
 
@@ -326,6 +327,7 @@ def test_resharded_parameters_are_gathered_again_for_the_backward(
         ("no gradient sync", ["set_requires_gradient_sync(False)", "gradient sync on"]),
         ("all-reduce hook", ["set_all_reduce_hook", "remove the hook"]),
         ("divide factor", ["set_gradient_divide_factor", "scale the loss instead"]),
+        ("unsharded", ["holds its parameter 'weight' unsharded", "call reshard()"]),
         ("precompile_once", ["fully_shard (FSDP2)", "Call precompile() on every rank"]),
     ],
 )
