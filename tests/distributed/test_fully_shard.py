@@ -151,6 +151,77 @@ def training(
     return scenario
 
 
+class TiedLanguageModel(nn.Module):
+    """An embedding whose weight the output layer shares, as language models tie
+    them: FSDP2's root group holds the one parameter for both modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.body = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.body(self.embed(tokens))))
+
+
+def accumulating_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """Two micro-batches, a backward each, one optimizer step."""
+    opt.zero_grad()
+    total = torch.zeros(())
+    for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+        loss = F.cross_entropy(model(xs), ys) / 2
+        loss.backward()
+        total = total + loss.detach()
+    opt.step()
+    return total
+
+
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
+
+
+def tied_and_accumulated(mesh: DeviceMesh) -> dict[str, Any]:
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TiedLanguageModel()
+        fully_shard(model.body, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    torch.manual_seed(100 + dist.get_rank())
+    batches = [
+        (torch.randint(0, 11, (8,)), torch.randint(0, 11, (8,))) for _ in range(STEPS)
+    ]
+    eager, eager_opt = make()
+    model, opt = make()
+    step = pg.load(
+        *pg.precompile(accumulating_step, model, opt, *batches[0], backend="eager")
+    )
+    inference = pg.load(*pg.precompile(predict, model, batches[0][0], backend="eager"))
+    losses = [
+        (
+            cast(torch.Tensor, step(model, opt, x, y)).item(),
+            accumulating_step(eager, eager_opt, x, y).item(),
+        )
+        for x, y in batches
+    ]
+    x = batches[0][0]
+    return {
+        "losses": losses,
+        "parameters": _max_difference(
+            list(model.parameters()), list(eager.parameters())
+        ),
+        "inference": _max_difference(
+            [cast(torch.Tensor, inference(model, x))], [predict(eager, x)]
+        ),
+    }
+
+
 def refusals(mesh: DeviceMesh) -> dict[str, str]:
     x, y = _batches("mlp")[0]
 
@@ -252,6 +323,7 @@ SCENARIOS: dict[str, Callable[[DeviceMesh], Any]] = {
     "mlp eager, reshard_after_forward=False": training(
         lambda mesh: _mlp(mesh, reshard=False), "mlp", "eager"
     ),
+    "tied weights, two micro-batches, inference": tied_and_accumulated,
     "refusals": refusals,
     "refused calls": refused_calls,
 }
@@ -316,6 +388,16 @@ def test_resharded_parameters_are_gathered_again_for_the_backward(
     for rank in _scenario(results, "mlp eager, reshard_after_forward=False"):
         assert rank["losses"] == pytest.approx(rank["eager losses"], rel=1e-5)
         assert rank["parameters"] < 1e-5
+
+
+def test_tied_weights_micro_batches_and_inference_match_eager_fsdp2(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in _scenario(results, "tied weights, two micro-batches, inference"):
+        for got, want in rank["losses"]:
+            assert got == pytest.approx(want, rel=1e-5)
+        assert rank["parameters"] < 1e-5
+        assert rank["inference"] < 1e-5
 
 
 @pytest.mark.parametrize(

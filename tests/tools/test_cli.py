@@ -198,8 +198,10 @@ def test_console_script_runs_every_command(
     assert sorted(Path(line).name for line in out.splitlines()) == [
         "eager_all_features.py",
         "eager_no_features.py",
+        "eager_on_shards.py",
         "inductor_all_features.py",
         "inductor_no_features.py",
+        "inductor_on_shards.py",
     ]
 
     rc, _, err = results["diff error"]
