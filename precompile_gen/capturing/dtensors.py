@@ -113,47 +113,17 @@ def to_local_graph(
     flat_args: list[object],
     decompositions: dict[Any, Callable[..., Any]] | None,
 ) -> LocalGraph:
-    """``gm`` traced on the local shards of its DTensor inputs: DTensor's dispatch
-    runs under the trace and records the local ops and collectives it issues."""
-    from torch.distributed.tensor import DTensor
-
-    specs = {i: a._spec for i, a in enumerate(flat_args) if is_dtensor(a)}  # type: ignore[attr-defined]
-    _reject_mixed_meshes(specs)
-    outputs: dict[int, ShardOutput] = {}
-
-    def local_fn(local_args: list[Any]) -> list[object]:
-        # Wrappers the trace does not track: the tracer hands their ops to DTensor,
-        # which sends the ops on the local shards back to it.
-        wrapped = [
-            DTensor(arg, specs[i], requires_grad=False) if i in specs else arg
-            for i, arg in enumerate(local_args)
-        ]
-        results = []
-        for position, result in enumerate(gm(wrapped)):
-            if is_dtensor(result):
-                outputs[position] = _shard_output(result)
-                result = result._local_tensor  # type: ignore[attr-defined]
-            results.append(result)
-        return results
-
-    local_args = [data(a) if i in specs else a for i, a in enumerate(flat_args)]  # type: ignore[arg-type]
+    """``gm`` traced again on the local shards of its DTensor inputs
+    (``on_local_shards``): DTensor's dispatch runs under the trace and records the
+    local ops and collectives it issues. ``gm`` holds its backward as ops already,
+    so grad mode is off."""
+    local = on_local_shards(gm, flat_args)
+    shards = local_args(flat_args)
     with torch.no_grad():
-        local_gm = make_fx(local_fn, decomposition_table=decompositions)(
-            [a.detach() if isinstance(a, torch.Tensor) else a for a in local_args]
+        local_gm = make_fx(local.fn, decomposition_table=decompositions)(
+            [a.detach() if isinstance(a, torch.Tensor) else a for a in shards]
         )
-    return LocalGraph(
-        local_gm,
-        local_args,
-        {
-            i: ShardInput(
-                _mesh_groups(spec.mesh),
-                _placement_reprs(spec.placements),
-                tuple(data(flat_args[i]).shape),  # type: ignore[arg-type]
-            )
-            for i, spec in specs.items()
-        },
-        outputs,
-    )
+    return LocalGraph(local_gm, shards, shard_inputs(flat_args), local.outputs)
 
 
 class LocalTrace(NamedTuple):
@@ -173,7 +143,9 @@ def on_local_shards(
     dispatch sends it the local ops and collectives), and returns the local shards of
     the DTensor results. Autograd runs on the wrappers, so a backward inside
     ``flat_fn`` is traced as the local ops DTensor issues for it, and so are
-    DTensor's conversions, which make wrappers around traced local tensors."""
+    DTensor's conversions, which make wrappers around traced local tensors. (The
+    wrappers are untracked: the tracer hands their ops to DTensor, which sends the
+    ops on the local shards back to it.)"""
     from torch.distributed.tensor import DTensor
 
     specs = {i: a._spec for i, a in enumerate(flat_args) if is_dtensor(a)}  # type: ignore[attr-defined]
@@ -203,7 +175,8 @@ def local_args(flat_args: list[object]) -> list[object]:
 
 
 def shard_inputs(flat_args: list[object]) -> dict[int, ShardInput]:
-    """The process groups and placements of the DTensors among ``flat_args``."""
+    """The process groups, placements and local shard shapes of the DTensors among
+    ``flat_args``, by position."""
     return {
         i: ShardInput(
             _mesh_groups(a.device_mesh),  # type: ignore[attr-defined]

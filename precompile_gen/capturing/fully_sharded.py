@@ -31,7 +31,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -202,11 +202,9 @@ class _Gathered:
     again: torch.Tensor | None = None
 
 
-@dataclass
-class _Unsharding:
-    # Whole parameters the backward gathers anew, by the data pointer of their
-    # storage (every view autograd saves of one shares it).
-    regathered: dict[int, _Gathered] = field(default_factory=dict)
+# Whole parameters the backward gathers anew, by the data pointer of their storage
+# (every view autograd saves of one shares it).
+_Regathered = dict[int, _Gathered]
 
 
 @contextlib.contextmanager
@@ -218,12 +216,12 @@ def unsharding(modules: list[torch.nn.Module]) -> Generator[None]:
         yield
         return
     roots = {id(m) for module in modules for m in _roots(module)}
-    unsharding = _Unsharding()
+    regathered: _Regathered = {}
     with contextlib.ExitStack() as stack:
         for _, module in sharded:
             state = _state(module)
             reshard = _reshards_after_forward(state, id(module) in roots)
-            swaps = _ParameterSwaps(state, reshard, unsharding)
+            swaps = _ParameterSwaps(state, reshard, regathered)
             stack.enter_context(
                 _hook_replaced(module, "_forward_pre_hooks", state, swaps.pre_forward)
             )
@@ -232,7 +230,7 @@ def unsharding(modules: list[torch.nn.Module]) -> Generator[None]:
             )
         stack.enter_context(
             torch.autograd.graph.saved_tensors_hooks(
-                functools.partial(_pack, unsharding), _unpack
+                functools.partial(_pack, regathered), _unpack
             )
         )
         yield
@@ -281,7 +279,7 @@ class _ParameterSwaps:
     """One ``fully_shard`` module's parameters swapped for whole ones around its
     forward."""
 
-    def __init__(self, state: Any, reshard: bool, unsharding: _Unsharding) -> None:
+    def __init__(self, state: Any, reshard: bool, regathered: _Regathered) -> None:
         self.slots = [
             slot
             for group in state._fsdp_param_groups
@@ -289,7 +287,7 @@ class _ParameterSwaps:
             for slot in _slots(param._module_info)
         ]
         self.reshard = reshard
-        self.unsharding = unsharding
+        self.regathered = regathered
         self.saved: list[list[torch.Tensor]] = []
 
     def pre_forward(
@@ -314,7 +312,7 @@ class _ParameterSwaps:
     def _gather(self, sharded: torch.Tensor) -> torch.Tensor:
         whole = _all_gathered(sharded)
         if self.reshard and whole.requires_grad:
-            self.unsharding.regathered[_storage_key(whole)] = _Gathered(sharded, whole)
+            self.regathered[_storage_key(whole)] = _Gathered(sharded, whole)
         return whole
 
 
@@ -339,8 +337,8 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _pack(unsharding: _Unsharding, tensor: torch.Tensor) -> Any:
-    gathered = unsharding.regathered.get(_storage_key(tensor))
+def _pack(regathered: _Regathered, tensor: torch.Tensor) -> Any:
+    gathered = regathered.get(_storage_key(tensor))
     if gathered is None:
         return tensor
     # A view of a whole parameter: what to gather, and the view's place in it.
