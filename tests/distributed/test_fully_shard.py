@@ -26,6 +26,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 from torch.distributed.tensor import DTensor
 
 import precompile_gen as pg
@@ -256,13 +257,18 @@ def other_optimizers(mesh: DeviceMesh) -> dict[str, float]:
     return differences
 
 
+class CustomAllGather(DefaultAllGather):
+    """FSDP2's own all-gather under another type: a custom one, to FSDP2."""
+
+
 def refusals(mesh: DeviceMesh) -> dict[str, str]:
     x, y = _batches("mlp")[0]
 
     def refusal(configure: Callable[[nn.Module], object], **options: Any) -> str:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3))
-        fully_shard(model[0], mesh=options.pop("layer_mesh", mesh), **options)
+        layers = [model[0], model[2]] if options.pop("grouped", False) else model[0]
+        fully_shard(layers, mesh=options.pop("layer_mesh", mesh), **options)
         fully_shard(model, mesh=mesh)
         configure(model)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -304,6 +310,8 @@ def refusals(mesh: DeviceMesh) -> dict[str, str]:
         "all-reduce hook": refusal(call("set_all_reduce_hook", lambda t: None)),
         "divide factor": refusal(call("set_gradient_divide_factor", 4.0)),
         "unsharded": refusal(call("unshard")),
+        "grouped": refusal(nothing, grouped=True),
+        "custom all-gather": refusal(call("set_custom_all_gather", CustomAllGather())),
         "precompile_once": once,
     }
 
@@ -455,6 +463,11 @@ def test_other_optimizers_step_the_shards_as_eager_fsdp2_does(
         ("all-reduce hook", ["set_all_reduce_hook", "remove the hook"]),
         ("divide factor", ["set_gradient_divide_factor", "scale the loss instead"]),
         ("unsharded", ["holds its parameter 'weight' unsharded", "call reshard()"]),
+        ("grouped", ["shares one fully_shard call", "call fully_shard on each module"]),
+        (
+            "custom all-gather",
+            ["set_custom_all_gather", "shard it with FSDP2's default collectives"],
+        ),
         ("precompile_once", ["fully_shard (FSDP2)", "Call precompile() on every rank"]),
     ],
 )
