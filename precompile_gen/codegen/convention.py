@@ -3,10 +3,10 @@
 How the graph's leading inputs are gathered from the module arguments (and their
 hooks counted), how input leaves are named, how a gradient is reset and how a
 namedtuple or dataclass type is imported and registered are defined once, as the
-artifact's own code: in ``templates/runtime/support.py``, which every artifact
-carries, and ``templates/driver/convention.py.j2``, whose parts an artifact carries
-as its driver needs them. Here all of it is executed once, and the functions below
-call it, so capture, ``inspect`` and every artifact follow the same rules.
+artifact's own code: in the runtime support's parts that read no metadata
+(``render.CONVENTION_PARTS``), which artifacts carry as their capture needs them.
+Here those parts are executed once, and the functions below call them, so capture,
+``inspect`` and every artifact follow the same rules.
 """
 
 from __future__ import annotations
@@ -16,36 +16,14 @@ from typing import Any
 
 import torch
 
-_PRELUDE = """\
-import dataclasses
-import importlib
-from typing import Any
-
-import torch
-from torch.utils import _pytree as pytree
-"""
-
 
 @functools.cache
 def _driver_code() -> dict[str, Any]:
-    from precompile_gen.codegen.render import (
-        RUNTIME_SUPPORT,
-        environment,
-        runtime_support,
-    )
+    from precompile_gen.codegen.render import CONVENTION_PARTS, runtime_support
 
-    macros = environment().get_template("driver/convention.py.j2").module
-    names = (
-        "leaf_names",
-        "leaf_paths",
-        "reset_grad",
-        "pytree_types",
-    )
-    text = _PRELUDE + "".join(f"\n\n{getattr(macros, name)()}" for name in names)
     namespace: dict[str, Any] = {"__name__": "precompile_gen_convention"}
-    support = runtime_support()
-    exec(compile(support, f"<templates/{RUNTIME_SUPPORT}>", "exec"), namespace)
-    exec(compile(text, "<templates/driver/convention.py.j2>", "exec"), namespace)
+    text = runtime_support(CONVENTION_PARTS)
+    exec(compile(text, "<templates/runtime>", "exec"), namespace)
     return namespace
 
 

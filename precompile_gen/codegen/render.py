@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import re
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,15 +54,27 @@ def template_dir() -> Path:
 # The code every artifact of this version carries verbatim, as its last section: plain
 # modules that ruff and pyrefly check as they are, read through the templates' loader
 # (an installed wheel's copy, like every template) and never rendered. The base part
-# is in every artifact; a feature's part follows it in the artifacts with that feature,
-# from its first heading line on (above it, imports of the base's names for checking
-# it as a module), so each combination of parts is one known text.
+# is in every artifact; a feature's part follows it, in this order, in the artifacts
+# with that feature, from its first heading line on (above it, imports of the names
+# it reads from the rest of the artifact, for checking it as a module), so each
+# combination of parts is one known text.
 RUNTIME_SUPPORT = "runtime/support.py"
 RUNTIME_PARTS: dict[str, str] = {
     "support": RUNTIME_SUPPORT,
+    "pytree_types": "runtime/pytree_types.py",
+    "gradients": "runtime/gradients.py",
+    "calls": "runtime/calls.py",
+    "dtensors": "runtime/dtensors.py",
+    "layouts": "runtime/layouts.py",
+    "index_checks": "runtime/index_checks.py",
+    "deferred_steps": "runtime/deferred_steps.py",
     "optimizers": "runtime/optimizers.py",
     "process_groups": "runtime/process_groups.py",
+    "captured_graph": "runtime/captured_graph.py",
+    "compiled_graph": "runtime/compiled_graph.py",
 }
+# The parts that read no metadata when executed: capture and inspect run them.
+CONVENTION_PARTS = ("support", "pytree_types", "gradients")
 _PART_HEADING = "\n# --- "
 
 
@@ -69,8 +82,17 @@ def runtime_parts(features: DriverFeatures) -> tuple[str, ...]:
     """The runtime support's parts that an artifact with ``features`` carries."""
     wanted = {
         "support": True,
+        "pytree_types": features.pytree_types,
+        "gradients": features.gradients or features.grad_resets,
+        "calls": True,
+        "dtensors": features.dtensors,
+        "layouts": features.layouts,
+        "index_checks": features.index_checks,
+        "deferred_steps": features.deferred_steps,
         "optimizers": features.optimizers,
         "process_groups": features.process_groups or features.data_parallel,
+        "captured_graph": not features.compiled,
+        "compiled_graph": features.compiled,
     }
     return tuple(part for part in RUNTIME_PARTS if wanted[part])
 
@@ -255,8 +277,23 @@ def environment() -> jinja2.Environment:
     env.filters["assignment"] = assignment
     env.filters["comment_text"] = comment_text
     env.filters["columns"] = columns
+    env.filters["comment_lines"] = comment_lines
     env.filters["section_rule"] = section_rule
     return env
+
+
+def comment_lines(text: str, indent: int = 0) -> list[str]:
+    """``text`` made safe for comments (``comment_text``) and filled into ``#`` lines
+    at ``indent``, to black's line length."""
+    prefix = " " * indent + "# "
+    return textwrap.wrap(
+        comment_text(text),
+        width=BLACK_LINE_LENGTH,
+        initial_indent=prefix,
+        subsequent_indent=prefix,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
 
 
 def section_rule(character: str) -> str:
@@ -292,13 +329,13 @@ def format_python(source: str) -> str:
 
 @dataclass(frozen=True)
 class DriverFeatures:
-    """What of the driver a capture needs: each flag includes a template of
-    ``templates/driver/`` (or a branch of one), so an artifact carries only the
-    checks and the work its capture calls for."""
+    """What of the driver a capture needs: each flag adds a step to section 3's
+    forward() (driver/forward.py.j2) or a part to the runtime support
+    (``runtime_parts``), so an artifact carries only the checks and the work its
+    capture calls for."""
 
-    # Positions of the non-module arguments, and the call's shape in words.
-    user_positions: list[int]
-    signature: str
+    # The compiled graph (inductor) rather than the captured ATen graph (eager).
+    compiled: bool
     # Every non-module argument is one tensor (no nesting, no other values).
     tensor_arguments: bool
     non_tensor_leaves: bool
@@ -345,27 +382,11 @@ class DriverFeatures:
 
 
 def driver_features(cap: CaptureResult) -> DriverFeatures:
-    positions = {module.position for module in cap.modules}
-    optimizer_positions = {
-        optimizer.position for optimizer in [*cap.optimizers, *cap.deferred_steps]
-    }
-    user_positions = [
-        i
-        for i in range(cap.num_positional_args)
-        if i not in positions and i not in optimizer_positions
-    ]
+    user_positions = _user_positions(cap)
     leaves = cap.leaves
     inductor = cap.backend == "inductor"
     return DriverFeatures(
-        user_positions=user_positions,
-        signature=", ".join(
-            "module"
-            if i in positions
-            else "optimizer"
-            if i in optimizer_positions
-            else "input"
-            for i in range(cap.num_positional_args)
-        ),
+        compiled=inductor,
         tensor_arguments=_flat_tuple_of_leaves(cap.in_spec, len(user_positions))
         and all(leaf.shape is not None for leaf in leaves),
         non_tensor_leaves=any(leaf.shape is None for leaf in leaves),
@@ -398,6 +419,94 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         deferred_steps=bool(cap.deferred_steps),
         index_checks=bool(cap.index_checks),
     )
+
+
+def _argument_kinds(cap: CaptureResult) -> list[str]:
+    """Each positional argument's kind: "module", "optimizer" or "input"."""
+    modules = {module.position for module in cap.modules}
+    optimizers = {
+        optimizer.position for optimizer in [*cap.optimizers, *cap.deferred_steps]
+    }
+    return [
+        "module" if i in modules else "optimizer" if i in optimizers else "input"
+        for i in range(cap.num_positional_args)
+    ]
+
+
+def _user_positions(cap: CaptureResult) -> list[int]:
+    return [i for i, kind in enumerate(_argument_kinds(cap)) if kind == "input"]
+
+
+@dataclass(frozen=True)
+class DriverConvention:
+    """What section 3 writes out for this capture: its convention beyond the
+    metadata, and the text of forward()'s lines that differ between captures."""
+
+    # The traced call, e.g. "train_step(model, optimizer, x, y)".
+    call: str
+    # Positions of the non-module arguments, and the call's shape in words.
+    user_positions: list[int]
+    signature: str
+    tensor_arguments: bool
+    # forward()'s docstring, laid out as black leaves it (quotes included).
+    docstring: list[str]
+    # The graph's inputs, as forward() lists them.
+    graph_inputs: str
+    # _checked_state's arguments: the call, the modules, and the capture's own
+    # checks of the module state.
+    state_checks: list[str]
+
+
+def driver_convention(cap: CaptureResult, features: DriverFeatures) -> DriverConvention:
+    names = ", ".join(cap.argument_names)
+    call = f"{_identifier_text(cap.fn_name)}({names})"
+    outcomes = ["Returns the function's result"]
+    if features.gradients:
+        outcomes.append("gradients it computed are added to the model's .grad fields")
+    if features.optimizers:
+        outcomes.append(
+            "the optimizer's step updates the parameters and its state in place"
+        )
+    graph = "compiled graph" if features.compiled else "captured ATen graph"
+    text = (
+        f"Run {call} as captured: each call is held to the capture (section 2) "
+        f"before the {graph} runs. " + "; ".join(outcomes) + "."
+    )
+    extra = [
+        *(["*optimizer_inputs"] if features.optimizers else []),
+        *(["*TENSOR_LITERALS"] if cap.graph.tensor_literals else []),
+    ]
+    return DriverConvention(
+        call=call,
+        user_positions=_user_positions(cap),
+        signature=", ".join(_argument_kinds(cap)),
+        tensor_arguments=features.tensor_arguments,
+        docstring=docstring(text, indent=4),
+        graph_inputs="[" + ", ".join(["*state.tensors", "*leaves", *extra]) + "]",
+        state_checks=[
+            "args",
+            "modules",
+            *(["_check_state_layouts"] if features.state_layouts else []),
+            *(["_check_state_sharding"] if features.dtensors else []),
+        ],
+    )
+
+
+def _identifier_text(name: str) -> str:
+    # A function's qualified name, kept to what cannot end a docstring or a comment.
+    return "".join(ch if ch.isalnum() or ch in "_.<>" else "?" for ch in name)
+
+
+def docstring(text: str, *, indent: int) -> list[str]:
+    """``text`` as a docstring's lines at ``indent``, filled to black's line length:
+    black leaves a docstring's words where they are, so this is where they go."""
+    width = BLACK_LINE_LENGTH - indent
+    lines = textwrap.wrap(f'"""{text}', width=width, break_on_hyphens=False)
+    if len(lines[-1]) + 3 <= width:
+        lines[-1] += '"""'
+    else:
+        lines.append('"""')
+    return lines
 
 
 @dataclass(frozen=True)
@@ -606,6 +715,7 @@ def render_skeleton(cap: CaptureResult) -> str:
             cap=cap,
             metadata=metadata_constants(cap),
             features=features,
+            convention=driver_convention(cap, features),
             graph=graph_features(cap),
             graph_marker=GRAPH_MARKER,
             runtime_support=support,

@@ -116,7 +116,9 @@ def sections_by_key(python_code: str) -> dict[str, Section]:
 
 
 def _key(number: int, title: str) -> str:
-    lowered = title.lower()
+    # By the title's head: what follows its colon names other things (the runtime
+    # support's parts, "captured_graph" among them).
+    lowered = title.partition(":")[0].lower()
     for word, key in _KEY_WORDS:
         if word in lowered:
             return key

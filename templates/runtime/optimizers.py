@@ -7,14 +7,30 @@ from typing import Any, cast
 
 import torch
 
-from templates.runtime.support import _argument, _listed, _same_layout
+from templates.runtime.calls import _STATE_NAMES
+from templates.runtime.declarations import (
+    _SIGNATURE,
+    ARGUMENT_NAMES,
+    GRAD_PARAM_INDICES,
+    GRAD_RESETS,
+    OPTIMIZERS,
+)
+from templates.runtime.support import (
+    _argument,
+    _CheckedState,
+    _fail,
+    _layout_message,
+    _listed,
+    _same_layout,
+)
 
 # --- Optimizer arguments ------------------------------------------------------------
 # Each call holds the runtime optimizer to the traced one (class, param groups, values
 # built into the graph, state layout), creates the state its first step would, and
 # passes the state and each group's lr to the graph, which updates the parameters and
-# the state in place. The capture's data comes in at the first call (section 3 builds
-# an _OptimizerArguments from its metadata); each check returns its message.
+# the state in place. The capture's data comes in at the first call (_optimizers()
+# builds an _OptimizerArguments from the metadata); each check returns its message,
+# which the functions section 3 calls raise.
 
 # A state tensor's shape, dtype and device as a matching tensor reports them, so
 # that it costs one comparison.
@@ -495,3 +511,46 @@ def _optimizer_state_problem(
             "this device."
         )
     return None
+
+
+# The optimizer arguments as traced: built at the first call.
+_optimizer_arguments: list[_OptimizerArguments] = []
+
+
+def _optimizers() -> _OptimizerArguments:
+    if not _optimizer_arguments:
+        _optimizer_arguments.append(
+            _OptimizerArguments(
+                OPTIMIZERS,
+                ARGUMENT_NAMES,
+                _SIGNATURE,
+                _STATE_NAMES,
+                GRAD_PARAM_INDICES,
+                GRAD_RESETS,
+                globals().get("DEFERRED_STEPS", []),
+            )
+        )
+    return _optimizer_arguments[0]
+
+
+def _checked_steps(args: tuple[object, ...], state: _CheckedState) -> list[_Step]:
+    """Each optimizer argument held to the traced one; changes nothing."""
+    steps = _optimizers().checked_steps(args, state.tensors)
+    if isinstance(steps, str):
+        _fail(steps)
+    return steps
+
+
+def _check_optimizer_layouts(steps: list[_Step], state: _CheckedState) -> None:
+    # The state tensors' strides, which Inductor's kernels specialise on.
+    problem = _optimizers().layout_problem(steps, state.tensors)
+    if problem is not None:
+        _fail(_layout_message(*problem))
+
+
+def _optimizer_inputs(steps: list[_Step], state: _CheckedState) -> list[torch.Tensor]:
+    return _optimizers().inputs(steps, state.tensors)
+
+
+def _finish_steps(steps: list[_Step], state: _CheckedState) -> None:
+    _optimizers().finish(steps, state.tensors)

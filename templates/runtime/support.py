@@ -1,12 +1,13 @@
 # Runtime support: code that every artifact of this precompile_gen version carries
-# verbatim, whatever its capture. Section 3 calls it with the capture's own data; the
-# section's title holds this text's sha256, so a reviewer can tell it is the known
-# text (templates/runtime/support.py) without reading it again. It defines no name
-# section 3 uses while the artifact is being executed, only names its functions call.
-# Its functions raise nothing: a failed check returns its message, which section 3
-# raises, so that the one error type is defined before any module-level code runs.
+# verbatim, whatever its capture: this base part, then the parts its capture needs
+# (templates/runtime/*.py, named in the section's title). Section 3 writes out the
+# capture's calling convention as data and lists its steps in forward(); the
+# functions here carry them out, reading the metadata constants (section 2) and
+# section 3's by name, as the functions of one module do. The section's title holds
+# this text's sha256, so a reviewer can tell it is the known text without reading it
+# again. This base part reads no metadata when it is executed, so that capture and
+# inspect run the same code (precompile_gen.codegen.convention).
 import bisect
-import functools
 import re
 import reprlib
 import sys
@@ -14,11 +15,27 @@ import weakref
 from collections.abc import Callable
 from itertools import chain
 from operator import attrgetter
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
+
+
+# --- Errors -------------------------------------------------------------------------
+class PrecompileError(RuntimeError):
+    """A call broke the artifact's contract (used when precompile_gen is absent)."""
+
+
+def _fail(message: str) -> NoReturn:
+    # precompile_gen is imported here, on the error path only, so callers that have it
+    # can catch its PrecompileError; the artifact never depends on it to run.
+    error_type: type[RuntimeError]
+    try:
+        from precompile_gen import PrecompileError as error_type
+    except ImportError:
+        error_type = PrecompileError
+    raise error_type(message)
 
 
 # --- Messages -----------------------------------------------------------------------
@@ -165,6 +182,42 @@ def _lazy_bit_problem(name: str, leaf: torch.Tensor) -> str | None:
 def _show_shape(shape: tuple[int | None, ...]) -> str:
     # A dynamic dim (None) accepts any size.
     return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
+
+
+# --- Input leaves by their paths -----------------------------------------------------
+# A leaf is named by where it sits in its argument ("argument 1 (`batch['x'][0]`)"),
+# as capture and inspect name it too.
+def leaf_names(
+    positions: list[int], names: list[str], arguments: tuple[object, ...]
+) -> list[str]:
+    """Each leaf of the non-module ``arguments`` (at ``positions`` in the call, which
+    the traced function calls ``names``) named by where it sits, e.g.
+    "argument 1 (`batch['x'][0]`)"."""
+    return [
+        _argument(position, names, path)
+        for position, argument in zip(positions, arguments, strict=True)
+        for path in leaf_paths(argument)
+    ]
+
+
+def leaf_paths(tree: object) -> list[str]:
+    """The path of each of ``tree``'s pytree leaves as ``pytree.keystr`` writes it
+    (``['x'][0]``); by position for a node type registered without
+    ``flatten_with_keys_fn``, where ``tree_flatten_with_path`` would raise."""
+    if pytree.tree_is_leaf(tree):
+        return [""]
+    node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
+    keyed: list[tuple[Any, object]]
+    if node.flatten_with_keys_fn is not None:
+        keyed = node.flatten_with_keys_fn(tree)[0]
+    else:
+        children = node.flatten_fn(tree)[0]
+        keyed = [(pytree.SequenceKey(i), child) for i, child in enumerate(children)]
+    return [
+        pytree.keystr((key,)) + path
+        for key, child in keyed
+        for path in leaf_paths(child)
+    ]
 
 
 # --- The module arguments' state ----------------------------------------------------
@@ -510,73 +563,16 @@ def _same_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
     )
 
 
-# --- Indices ------------------------------------------------------------------------
-# An index out of range raises in eager ATen, but may abort the process inside a
-# compiled kernel, after the graph has written part of its inputs: the indices the
-# graph takes from the input leaves are checked before it runs (INDEX_CHECKS).
-@functools.cache
-def _aten_op(name: str) -> Any:
-    # "slice.Tensor" -> torch.ops.aten.slice.Tensor, looked up once.
-    op, overload = name.split(".")
-    return getattr(getattr(torch.ops.aten, op), overload)
-
-
-def _index_problem(
-    leaves: list[object],
-    sources: tuple[int, ...],
-    steps: tuple[Any, ...],
-    low: int,
-    high: int,
-    allowed: int | None,
-) -> str | None:
-    """How the index the graph computes from ``leaves`` (the one leaf of ``sources``
-    itself, or the last of ``steps``) leaves [low, high), or None if every value is
-    in it (or is ``allowed``)."""
-    if any(type(leaves[source]) is not torch.Tensor for source in sources):
-        return None  # a DTensor's shards are indexed per rank, by the graph
-    index = (
-        _replayed(leaves, steps) if steps else cast(torch.Tensor, leaves[sources[0]])
+def _layout_message(what: str, tensor: torch.Tensor, strides: tuple[int, ...]) -> str:
+    return (
+        f"{what} has strides {tuple(tensor.stride())}, but the example had {strides}: "
+        "the same shape in another memory layout (e.g. transposed or channels_last), "
+        "which the inductor backend specialises on. Pass it in the example's layout "
+        "(.contiguous() for a contiguous example), or capture with backend='eager'."
     )
-    if index.numel() == 0 or index.is_floating_point() or index.dtype == torch.bool:
-        return None
-    smallest, largest = torch.aminmax(index)
-    if low <= int(smallest) and int(largest) < high:
-        return None
-    outside = (index < low) | (index >= high)
-    if allowed is not None:
-        outside &= index != allowed
-    where = outside.nonzero()
-    if len(where) == 0:
-        return None
-    value = int(index[tuple(where[0].tolist())])
-    at = f" at {tuple(where[0].tolist())}" if not steps else ""
-    more = f" (and {len(where) - 1} more)" if len(where) > 1 else ""
-    return f"holds {value}{at}{more}"
 
 
-def _replayed(leaves: list[object], steps: tuple[Any, ...]) -> torch.Tensor:
-    """The result of the graph's own ops ``steps`` on the input leaves: each refers
-    to a leaf as {"leaf": k}, to an earlier step's result as {"step": j}."""
-    results: list[Any] = []
-
-    def value(argument: Any) -> Any:
-        if type(argument) is tuple:
-            return tuple(map(value, argument))
-        if type(argument) is not dict:
-            return argument
-        if "leaf" in argument:
-            return leaves[argument["leaf"]]
-        if "step" in argument:
-            return results[argument["step"]]
-        return getattr(torch, argument["dtype"])
-
-    for name, arguments, keywords in steps:
-        keywords = {key: value(given) for key, given in keywords.items()}
-        results.append(_aten_op(name)(*map(value, arguments), **keywords))
-    return results[-1]
-
-
-# --- Inference tensors -------------------------------------------------------------
+# --- Inference tensors --------------------------------------------------------------
 def _inference_write_problem(
     state: "_CheckedState",
     leaves: list[object],
@@ -611,7 +607,7 @@ def _inference_write_problem(
     return None
 
 
-# --- The fast path for an unchanged model ------------------------------------------
+# --- The fast path for an unchanged model -------------------------------------------
 # The full check walks every module and compares every tensor, which costs more than
 # a small graph's run. What it established is remembered with signals that it still
 # holds, each read in C: the same module objects; the version tag of each module's
@@ -752,7 +748,7 @@ def _forget(dead: weakref.ref[torch.nn.Module]) -> None:
         _remembered = None
 
 
-# --- Python values the graph has built in ------------------------------------------
+# --- Python values the graph has built in -------------------------------------------
 # make_fx builds every Python value the traced code read (a module's temperature, a
 # config flag, a global) into the graph as a constant. The full check reads each one
 # at its path and compares its repr; what it read through is remembered, so that a
@@ -878,155 +874,3 @@ def _describe_python_value(path: str, value: object, traced: str) -> str:
         "the function was traced, and the graph has that value built in. Set it "
         f"back to {traced}, or capture again with this value."
     )
-
-
-# --- Gradients ----------------------------------------------------------------------
-def _run_grad_hooks(
-    hooks: dict[int, Callable[..., Any]], grad: torch.Tensor
-) -> torch.Tensor:
-    # Hooks from param.register_hook() see, and may replace, each gradient before it
-    # is added to .grad, as in eager backward (which runs them without grad mode).
-    with torch.no_grad():
-        for hook in list(hooks.values()):
-            replaced = hook(grad)
-            if replaced is not None:
-                grad = replaced
-    return grad
-
-
-def _run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
-    # Hooks from param.register_post_accumulate_grad_hook() run once .grad is updated.
-    hooks = param._post_accumulate_grad_hooks
-    if hooks:
-        with torch.no_grad():
-            for hook in list(hooks.values()):
-                hook(param)
-
-
-# --- Compiled kernels ---------------------------------------------------------------
-def _resolve_kernels(namespace: dict[str, Any]) -> None:
-    """Build the kernels an inductor artifact's graph section deferred, in place of
-    their records in the scopes it waited on. Its AsyncCompile stand-in only records
-    them, since it runs before this section is defined; precompile_gen.load calls this
-    right after executing the artifact, forward() at its first call otherwise. Once
-    they are built (or in an artifact without kernels) there is nothing to do."""
-    scopes = namespace.get("_DEFERRED_KERNEL_SCOPES")
-    if not scopes:
-        return
-    # Concurrent first calls wait for the one building: Inductor's compiler state is
-    # process-global, and no call may run a kernel that is still a record.
-    with _kernels_lock(namespace):
-        builder = _KernelBuilder(
-            namespace["_DeferredKernel"], namespace.get("__kernel_binaries__", {})
-        )
-        for scope in scopes:
-            built = {
-                name: builder.build(value)
-                for name, value in list(scope.items())
-                if type(value) is builder.deferred
-            }
-            # Inductor may hand back a kernel still compiling (a future): wait for
-            # those before any is bound where the graph calls it.
-            builder.wait(built)
-            scope.update(built)
-        scopes.clear()
-
-
-def _kernels_lock(namespace: dict[str, Any]) -> Any:
-    import threading
-
-    # setdefault is atomic: every thread gets the one lock, whichever made it.
-    return namespace.setdefault("_KERNELS_LOCK", threading.Lock())
-
-
-class _KernelBuilder:
-    """Builds deferred kernels: a C++ kernel whose binary is in place (by the sha256
-    of its source, in ``binaries``) is imported from it; any other kernel goes to
-    Inductor's own AsyncCompile, imported only then, which compiles it from its
-    source as Inductor's module would have."""
-
-    def __init__(self, deferred: type, binaries: dict[str, str]) -> None:
-        self.deferred = deferred
-        self._binaries = binaries
-        self._inductor: Any = None
-        self._built: dict[int, object] = {}
-
-    def build(self, kernel: Any) -> object:
-        # By identity: a kernel another one takes (a multi-kernel's choices) is built
-        # once, whether it is reached by its name or through the other.
-        if id(kernel) not in self._built:
-            self._built[id(kernel)] = self._build(
-                kernel.kind, kernel.args, kernel.kwargs
-            )
-        return self._built[id(kernel)]
-
-    def wait(self, built: dict[str, object]) -> None:
-        if self._inductor is not None:
-            self._inductor.wait(built)
-
-    def _build(
-        self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> object:
-        # Binaries stand in for the two-argument form only; other calls go to Inductor.
-        if kind == "cpp_pybinding" and len(args) == 2 and not kwargs:
-            kernel = self._binary_kernel(args[1])
-            if kernel is not None:
-                return kernel
-        method = getattr(self._compiler(), kind)
-        return method(
-            *[self._argument(value) for value in args],
-            **{key: self._argument(value) for key, value in kwargs.items()},
-        )
-
-    def _argument(self, value: object) -> object:
-        # A multi-kernel takes the kernels it picks from, in a list or a dict.
-        if type(value) is self.deferred:
-            return self.build(value)
-        if isinstance(value, list):
-            return [self._argument(item) for item in value]
-        if isinstance(value, dict):
-            return {key: self._argument(item) for key, item in value.items()}
-        return value
-
-    def _binary_kernel(self, source: str) -> object | None:
-        import hashlib
-        import warnings
-
-        path = self._binaries.get(hashlib.sha256(source.encode()).hexdigest())
-        if path is None:
-            return None
-        try:
-            return _import_kernel(path)
-        except (ImportError, OSError) as error:
-            warnings.warn(
-                f"the kernel binary {path} cannot be imported here ({error}); "
-                "compiling the kernel from its source instead",
-                stacklevel=2,
-            )
-            return None
-
-    def _compiler(self) -> Any:
-        if self._inductor is None:
-            from torch._inductor.async_compile import AsyncCompile
-
-            self._inductor = AsyncCompile()
-        return self._inductor
-
-
-def _import_kernel(path: str) -> object:
-    # As Inductor imports a kernel binary: a module named after the binary's key, whose
-    # initialisation reads the address of torch's tensor-data accessor (absent from
-    # torch's type stubs) from this variable.
-    import importlib.util
-    import os
-
-    accessor = torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr  # type: ignore[attr-defined]
-    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(accessor)
-    name = os.path.basename(path).split(".")[0] + ".kernel"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name].kernel

@@ -101,9 +101,9 @@ def test_runtime_golden_is_the_text_its_stamp_names() -> None:
         assert sections_by_key(golden)["runtime"].stamp == stamp
         assert sections_by_key(full_artifact(golden))["runtime"].body == body
         variants.add(parts)
-    # Between them they carry each part, and the base part alone.
+    # Between them they carry each part, and what every artifact carries alone.
     assert {part for parts in variants for part in parts} == set(render.RUNTIME_PARTS)
-    assert ("support",) in variants
+    assert ("support", "calls", "captured_graph") in variants
 
 
 @functools.cache
@@ -305,24 +305,21 @@ def test_renderer_never_reads_python_source(monkeypatch: pytest.MonkeyPatch) -> 
         assert pg.parse_metadata(pg.render_artifact(cap))["BACKEND"] == cap.backend
 
 
-def _driver(name: str) -> str:
-    text = (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
-    return sections_by_key(text)["driver"].text
+def _golden(name: str) -> str:
+    return (GOLDEN_DIR / f"{name}.py").read_text(encoding="utf-8")
 
 
-# Code each driver feature brings, by a definition or statement only it emits.
-FEATURE_CODE = {
-    "gradients": "def _add_gradients(",
-    "grad resets": "reset_grad(state.tensors[index], set_to_none)",
-    "dynamic dims": "def _show_bounds(",
-    "shared sizes": "def _check_shared_sizes(",
-    "scalar values": "USER_INPUT_VALUES[index]",
-    "aliasing": "def _describe_aliasing_difference(",
-    "layouts": "def _layout_message(",
-    "nested inputs": "def leaf_paths(",
-    "dict inputs": "def _in_example_order(",
-    "pytree types": "def _register_pytree_types(",
-    "optimizers": "def _optimizers(",
+# The runtime support every artifact of a backend carries.
+ALWAYS = {
+    "eager": {"support", "calls", "captured_graph"},
+    "inductor": {"support", "calls", "compiled_graph"},
+}
+# The step each feature adds to section 3's forward().
+FEATURE_STEPS = {
+    "gradients": "flat_outputs = _scatter_gradients(state, flat_outputs)",
+    "grad_resets": "_reset_grads(state)",
+    "optimizers": "steps = _checked_steps(args, state)",
+    "layouts": "_check_state_layouts",
 }
 
 
@@ -331,24 +328,31 @@ FEATURE_CODE = {
     [
         ("eager_inference", set()),
         ("eager_train_step", {"gradients"}),
-        ("eager_grad_resets", {"gradients", "grad resets"}),
-        ("eager_optimizer_step", {"gradients", "grad resets", "optimizers"}),
-        ("eager_scalar_inputs", {"scalar values", "nested inputs"}),
-        ("eager_multi_module", {"nested inputs", "dict inputs"}),
-        ("eager_pytree_types", {"nested inputs", "pytree types"}),
-        ("eager_literals_aliasing", {"aliasing"}),
+        ("eager_grad_resets", {"gradients", "grad_resets"}),
+        ("eager_optimizer_step", {"gradients", "grad_resets", "optimizers"}),
+        ("eager_scalar_inputs", set()),
+        ("eager_multi_module", set()),
+        ("eager_pytree_types", {"pytree_types"}),
+        ("eager_literals_aliasing", set()),
         ("inductor_inference", {"layouts"}),
-        ("inductor_dynamic_dims", {"layouts", "dynamic dims", "shared sizes"}),
+        ("inductor_dynamic_dims", {"layouts"}),
         ("inductor_triton_inference", {"layouts"}),
         (
             "inductor_triton_train_step",
-            {"gradients", "grad resets", "optimizers", "layouts"},
+            {"gradients", "grad_resets", "optimizers", "layouts"},
         ),
     ],
 )
-def test_each_driver_carries_exactly_its_features_code(
+def test_each_artifact_carries_exactly_its_features_code(
     name: str, features: set[str]
 ) -> None:
-    driver = _driver(name)
-    present = {feature for feature, code in FEATURE_CODE.items() if code in driver}
-    assert present == features
+    # A feature's code is its runtime part (grad resets: the gradients part) and
+    # its step in forward(); an artifact without the feature carries neither.
+    golden = _golden(name)
+    backend = "inductor" if name.startswith("inductor") else "eager"
+    parts = set(runtime_parts(golden)) - ALWAYS[backend]
+    assert ALWAYS[backend] <= set(runtime_parts(golden))
+    assert parts == features - {"grad_resets"}
+    driver = sections_by_key(golden)["driver"].text
+    steps = {feature for feature, step in FEATURE_STEPS.items() if step in driver}
+    assert steps == features & set(FEATURE_STEPS)

@@ -177,270 +177,31 @@ KERNEL_SOURCES: dict[str, str] = {}
 # ====================================================================================
 # 3. Driver: validate the call, run the graph, scatter gradients
 # ====================================================================================
-import sys
-from typing import Any, NoReturn, cast
-
-import torch
-from torch.utils import _pytree as pytree
-
-
-class PrecompileError(RuntimeError):
-    """A call broke the artifact's contract (used when precompile_gen is absent)."""
-
-
-def _fail(message: str) -> NoReturn:
-    # precompile_gen is imported here, on the error path only, so callers that have it
-    # can catch its PrecompileError; the artifact never depends on it to run.
-    error_type: type[RuntimeError]
-    try:
-        from precompile_gen import PrecompileError as error_type
-    except ImportError:
-        error_type = PrecompileError
-    raise error_type(message)
-
-
-# The calling convention of this capture, written out from the metadata.
+# train_step(model, x, target), as traced: the positions of its arguments that are not
+# modules, the call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [1, 2]
 _SIGNATURE: str = "module, input, input"
-_IN_SPEC: pytree.TreeSpec | None = (
-    None if IN_SPEC is None else pytree.treespec_loads(IN_SPEC)
-)
-# The example's other arguments were all tensors: a call passing plain tensors there
-# needs no pytree flattening, the arguments are the leaves.
 _TENSOR_ARGUMENTS: bool = True
 
 
-# Each leaf's shape, dtype and device as a matching tensor reports them, so that such
-# a leaf costs one comparison; None where only the full check will do.
-_LEAF_SIGNATURES: list[tuple[torch.Size, Any, torch.device] | None] = [
-    (
-        None
-        if shape is None or None in shape or dtype is None or device is None
-        else (
-            torch.Size(cast(tuple[int, ...], shape)),
-            getattr(torch, dtype.removeprefix("torch."), None),
-            torch.device(device),
-        )
-    )
-    for shape, dtype, device in zip(
-        USER_INPUT_SHAPES, USER_INPUT_DTYPES, USER_INPUT_DEVICES
-    )
-]
-
-
-def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
-    # Each leaf is an argument of its own.
-    return _argument(_USER_POSITIONS[leaf_index], ARGUMENT_NAMES)
-
-
-def _split_arguments(
-    args: tuple[object, ...],
-) -> tuple[list[torch.nn.Module], list[object]]:
-    """Check the call's arguments against the captured example; return the modules
-    and the flattened leaves of the other arguments."""
-    if len(args) != NUM_POSITIONAL_ARGS:
-        _fail(_arguments_message(len(args), NUM_POSITIONAL_ARGS, _SIGNATURE))
-    modules: list[torch.nn.Module] = []
-    for position in MODULE_POSITIONS:
-        module = args[position]
-        if not isinstance(module, torch.nn.Module):
-            _fail(_not_a_module_message(position, ARGUMENT_NAMES, module, _SIGNATURE))
-        modules.append(module)
-    user_inputs = tuple([args[i] for i in _USER_POSITIONS])
-    if _TENSOR_ARGUMENTS and all(type(a) is torch.Tensor for a in user_inputs):
-        leaves: list[object] = list(user_inputs)
-    else:
-        leaves, spec = pytree.tree_flatten(user_inputs)
-        if _IN_SPEC is not None and spec != _IN_SPEC:
-            _fail(_nesting_message(spec, _IN_SPEC))
-        if len(leaves) != len(USER_INPUT_SHAPES):
-            _fail(_leaf_count_message(len(leaves), len(USER_INPUT_SHAPES)))
-    for index, leaf in enumerate(leaves):
-        signature = _LEAF_SIGNATURES[index]
-        # A lazy conjugate or negative bit (tensor.conj()) passes the signature.
-        if (
-            signature is None
-            or type(leaf) is not torch.Tensor
-            or (leaf.shape, leaf.dtype, leaf.device) != signature
-            or leaf.is_conj()
-            or leaf.is_neg()
-        ):
-            _check_leaf(user_inputs, index, leaf)
-    return modules, leaves
-
-
-def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> None:
-    shape = USER_INPUT_SHAPES[index]
-    assert shape is not None  # every leaf of this capture is a tensor
-    name = _leaf_name(user_inputs, index)
-    problem = _tensor_leaf_problem(
-        name,
-        leaf,
-        shape,
-        USER_INPUT_DTYPES[index],
-        USER_INPUT_DEVICES[index],
-        can_mark_dims=True,
-    )
-    if problem is not None:
-        _fail(problem)
-    tensor = cast(torch.Tensor, leaf)
-    _check_sharding(name, _NUM_STATE + index, tensor)
-
-
-_STATE_NAMES: list[str] = PARAM_NAMES + BUFFER_NAMES
-_STATE_SHAPES: list[tuple[int, ...]] = PARAM_SHAPES + BUFFER_SHAPES
-_STATE_DTYPES: list[str] = PARAM_DTYPES + BUFFER_DTYPES
-_STATE_DEVICES: list[str] = PARAM_DEVICES + BUFFER_DEVICES
-_STATE_REQUIRES_GRAD: list[bool] = PARAM_REQUIRES_GRAD + BUFFER_REQUIRES_GRAD
-_NUM_STATE: int = len(_STATE_NAMES)
-
-
-def _check_module_state(
-    modules: list[torch.nn.Module], tensors: list[torch.Tensor], names: list[str]
-) -> None:
-    if names != _STATE_NAMES:
-        _fail(_describe_state_difference(modules, names, _STATE_NAMES))
-    for position, (name, tensor, shape, dtype, device, requires_grad) in enumerate(
-        zip(
-            names,
-            tensors,
-            _STATE_SHAPES,
-            _STATE_DTYPES,
-            _STATE_DEVICES,
-            _STATE_REQUIRES_GRAD,
-        )
-    ):
-        problem = _state_tensor_problem(
-            name, tensor, shape, dtype, device, requires_grad
-        )
-        if problem is not None:
-            _fail(problem)
-        _check_sharding(f"the model's {name!r}", position, tensor)
-    problem = _mode_and_hook_problem(
-        modules, MODULE_TRAINING, MODULE_HOOKS, GLOBAL_MODULE_HOOKS
-    )
-    if problem is not None:
-        _fail(problem)
-
-
-# --- DTensors ----------------------------------------------------------------------
-def _check_sharding(name: str, position: int, tensor: torch.Tensor) -> None:
-    # No DTensor exists unless torch.distributed.tensor was imported.
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is not None and isinstance(tensor, module.DTensor):
-        _fail(
-            f"{name} is a DTensor (sharded over a device mesh), but the artifact was "
-            "captured with a plain tensor there. Pass a plain tensor (.full_tensor() "
-            "gives the whole of it), or capture again with DTensors."
-        )
-
-
-def _check_aliasing(
-    args: tuple[object, ...], state: "_CheckedState", leaves: list[object]
-) -> None:
-    """The graph was traced, and compiled, for inputs that share no storage (make_fx
-    reads a tensor passed twice as one input): hold the call to it."""
-    members = _newly_shared_positions(state, leaves)
-    if members:
-        _fail(_newly_shared(_input_names(args, members)))
-
-
-def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
-    user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-    names = []
-    for position in positions:
-        if position < _NUM_STATE:
-            names.append(f"the model's {_STATE_NAMES[position]!r}")
-        else:
-            names.append(_leaf_name(user_inputs, position - _NUM_STATE))
-    if len(names) == 1:
-        return names[0]
-    if len(names) > 4:
-        # A model whose parameters are views of one flat tensor shares a storage
-        # among all of them: name a few and count the rest, as _listed does.
-        return ", ".join(names[:3]) + f" and {len(names) - 3} more"
-    return ", ".join(names[:-1]) + " and " + names[-1]
-
-
-def _add_gradients(tensors: list[torch.Tensor], grads: list[object]) -> None:
-    """Add the graph's trailing gradient outputs to the parameters' ``.grad`` as eager
-    ``.backward()`` would, running the parameters' gradient hooks."""
-    accumulate_into: list[torch.Tensor] = []
-    increments: list[torch.Tensor] = []
-    post_hooked: list[torch.Tensor] = []
-    for index, output in zip(GRAD_PARAM_INDICES, grads):
-        grad = cast(torch.Tensor, output)
-        param = tensors[index]
-        hooks = param._backward_hooks
-        if hooks:
-            grad = _run_grad_hooks(hooks, grad)
-        if param._post_accumulate_grad_hooks:
-            post_hooked.append(param)
-        if param.grad is None:
-            param.grad = grad
-        else:
-            accumulate_into.append(param.grad)
-            increments.append(grad)
-    if accumulate_into:
-        # One call for all: a Python add_() per parameter costs more than the adds.
-        torch._foreach_add_(accumulate_into, increments)
-    for param in post_hooked:
-        _run_post_accumulate_grad_hooks(param)
-
-
-_OUT_SPEC: pytree.TreeSpec = pytree.treespec_loads(OUT_SPEC)
-
-
 def forward(*args: object, **keywords: object) -> object:
-    """Run the captured computation: ``forward(model, *inputs)`` with the arguments the
-    traced function took. Returns the function's result; gradients it computed are
-    added to the model's ``.grad`` fields."""
-    if keywords:
-        _fail(_keywords_message(keywords, _SIGNATURE))
-    if torch._C._is_any_autocast_enabled():
-        # The graph computes in the dtypes of its capture (autocast's casts included,
-        # where it ran inside torch.autocast), on both backends alike: applied again,
-        # autocast would recast the ops Inductor leaves to torch but not its kernels.
-        with torch._C._DisableAutocast():
-            return forward(*args)
-    if not torch.is_grad_enabled():
-        _fail(
-            "this artifact runs a backward, and grad mode is off (the call is inside "
-            "torch.no_grad() or torch.inference_mode()), where the function's "
-            "backward raises eagerly. Call it outside torch.no_grad() and "
-            "torch.inference_mode()."
-        )
+    """Run train_step(model, x, target) as captured: each call is held to the capture
+    (section 2) before the captured ATen graph runs. Returns the function's result;
+    gradients it computed are added to the model's .grad fields."""
+    if keywords or _autocast_enabled():
+        return _call_without(forward, args, keywords)
+    _check_grad_mode()
     modules, leaves = _split_arguments(args)
-    state = _remembered_state(modules)
-    if state is not None and not _python_values_hold(args):
-        state = None
-    if state is None:
-        tensors, names, _ = module_state(modules)
-        _check_module_state(modules, tensors, names)
-        problem = _python_values_problem(args, PYTHON_VALUES, ARGUMENT_NAMES)
-        if problem is not None:
-            _fail(problem)
-        state = _remember(modules, tensors)
+    state = _checked_state(args, modules)
     _check_aliasing(args, state, leaves)
-    # The graph already contains the backward ops it needs; recording autograd
-    # history for them would only cost memory. Grad mode is switched directly:
-    # entering torch.no_grad() costs more than a small driver's checks.
-    grad_enabled = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
-    try:
-        flat_outputs = call([*state.tensors, *leaves])
-    except BaseException:
-        _forget_checks()
-        raise
-    finally:
-        torch._C._set_grad_enabled(grad_enabled)
-    num_results = len(flat_outputs) - len(GRAD_PARAM_INDICES)
-    _add_gradients(state.tensors, flat_outputs[num_results:])
-    return pytree.tree_unflatten(flat_outputs[:num_results], _OUT_SPEC)
+    inputs = [*state.tensors, *leaves]
+    flat_outputs = _run_captured(call, inputs)
+    flat_outputs = _scatter_gradients(state, flat_outputs)
+    return _result(flat_outputs)
 
 
 # ====================================================================================
-# 4. Runtime support: support (sha256 f58aeabe87f01259ea8a939b8be11c18e1a925aa78b6fa51e2883d9b1db0d0f4)
+# 4. Runtime support: support + gradients + calls + captured_graph (sha256 27ee2145fdc7430adede485b19a3f36a2eb4a27ffa32161b4b3ab131da21b038)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

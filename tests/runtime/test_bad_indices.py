@@ -9,7 +9,9 @@ import copy
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -20,7 +22,13 @@ from helpers.token_classifier import TokenClassifier, classification_step
 from torch import nn
 
 import precompile_gen as pg
-from templates.runtime.support import _index_problem
+from precompile_gen.codegen import render
+
+# The runtime support's index check, as an artifact with index checks carries it (it
+# reads no metadata when executed).
+_RUNTIME: dict[str, object] = {}
+exec(render.runtime_support(("support", "index_checks")), _RUNTIME)
+_index_problem = cast(Callable[..., "str | None"], _RUNTIME["_index_problem"])
 
 CHILD = Path(__file__).with_name("bad_index_child.py")
 

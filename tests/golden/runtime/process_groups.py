@@ -1,7 +1,6 @@
-# --- Process groups and DistributedDataParallel arguments -------------------------
+# --- Process groups and DistributedDataParallel arguments ---------------------------
 # A call on another group, or with DDP options the graph was not built for, would
-# reduce wrongly or hang. Section 3 passes PROCESS_GROUPS and DATA_PARALLEL; each
-# check returns its message.
+# reduce wrongly or hang. Section 3 passes PROCESS_GROUPS and DATA_PARALLEL.
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.nn.parallel import DistributedDataParallel
@@ -94,3 +93,17 @@ def _data_parallel_problem(
                 "would bypass. Remove the hook (construct the DDP module without it)."
             )
     return None
+
+
+def _check_process_groups(records: list[dict[str, Any]]) -> None:
+    problem = _process_groups_problem(records)
+    if problem is not None:
+        _fail(problem)
+
+
+def _check_data_parallel(
+    args: tuple[object, ...], records: list[dict[str, Any]]
+) -> None:
+    problem = _data_parallel_problem(args, records, ARGUMENT_NAMES)
+    if problem is not None:
+        _fail(problem)

@@ -1,10 +1,26 @@
-{#- DTensors: the graph replays its ops on the call's DTensors, which shard them as
-    the example's did only with the same mesh shape and placements. -#}
-# --- DTensors ----------------------------------------------------------------------
-{% if features.dtensors %}
+# Runtime support for DTensors: carried after the calls part
+# (templates/runtime/calls.py) by every artifact captured with DTensor inputs, from
+# its first "# ---" heading on. The lines above that heading are not carried: they
+# import what the rest of the artifact defines, so that ruff and pyrefly check this
+# part as a module of its own.
+from templates.runtime.calls import _NUM_STATE, _leaf_name
+from templates.runtime.declarations import _USER_POSITIONS, DTENSORS, USER_INPUT_SHAPES
+from templates.runtime.support import _fail
+
+# isort: split
+
+# --- DTensors -----------------------------------------------------------------------
 # The graph replays the ops each DTensor received at capture; DTensor's dispatch
 # shards them and issues the collectives they need for the placements it finds, so
 # the graph is the captured computation only for the captured ones.
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+
 def _check_sharding(name: str, position: int, tensor: torch.Tensor) -> None:
     layout = DTENSORS.get(position)
     if not isinstance(tensor, DTensor):
@@ -32,13 +48,49 @@ def _check_sharding(name: str, position: int, tensor: torch.Tensor) -> None:
             "capture (.redistribute(mesh, placements), or distribute the model as it "
             "was), or capture again with this sharding."
         )
-{% if features.local_shards %}
+    if _SHARD_INPUTS:
+        _check_mesh_groups(name, position, tensor)
+
+
+def _check_state_sharding(tensors: list[torch.Tensor], names: list[str]) -> None:
+    # With the module state's full check, which the fast path vouches for after.
+    for position, (name, tensor) in enumerate(zip(names, tensors)):
+        _check_sharding(f"the model's {name!r}", position, tensor)
+
+
+def _check_leaf_sharding(args: tuple[object, ...], leaves: list[object]) -> None:
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            position = _NUM_STATE + index
+            if isinstance(leaf, DTensor) or position in DTENSORS:
+                user_inputs = tuple(args[i] for i in _USER_POSITIONS)
+                _check_sharding(_leaf_name(user_inputs, index), position, leaf)
+
+
+def _show_sharding(mesh_shape: tuple[int, ...], placements: tuple[str, ...]) -> str:
+    return f"placements ({', '.join(placements)}) on a mesh of shape {mesh_shape}"
+
+
+# --- Local shards -------------------------------------------------------------------
+# Inductor compiles plain tensors, and a fully_shard model's trace gathers its
+# parameters from their shards: capture traced DTensor's dispatch into the local ops
+# and collectives it issues, so the graph computes on local shards, for the sharding,
+# process groups and shard shapes of SHARD_INPUTS, and returns the local shards of
+# the DTensor results (SHARD_OUTPUTS). The module state and the input leaves are
+# held to their sharding by _check_sharding (and the fast path, which remembers each
+# spec); the optimizers' state, the graph inputs after them, by _local_shards.
+# SHARD_INPUTS and SHARD_OUTPUTS, which only such a capture's metadata has.
+_SHARD_INPUTS: dict[int, Any] = globals().get("SHARD_INPUTS", {})
+_SHARD_OUTPUTS: dict[int, Any] = globals().get("SHARD_OUTPUTS", {})
+
+
+def _check_mesh_groups(name: str, position: int, tensor: DTensor) -> None:
     groups = _mesh_groups(tensor.device_mesh)
-    if groups != SHARD_INPUTS[position][0]:
+    if groups != _SHARD_INPUTS[position][0]:
         _fail(
             f"{name} is a DTensor on a mesh over the process groups {groups}, but the "
             "compiled graph runs its collectives on the example's mesh, over "
-            f"{SHARD_INPUTS[position][0]}. Put it on a mesh over those groups (the "
+            f"{_SHARD_INPUTS[position][0]}. Put it on a mesh over those groups (the "
             "example's mesh), or capture again with this mesh."
         )
     _check_shard_shape(name, position, tensor)
@@ -48,31 +100,18 @@ def _check_shard_shape(name: str, position: int, tensor: DTensor) -> None:
     # The graph pads and slices for the capturing rank's shards, which another
     # rank's can differ from where a dim does not divide by the mesh size.
     shape = tuple(tensor._local_tensor.shape)
-    if shape != SHARD_INPUTS[position][2]:
+    if shape != _SHARD_INPUTS[position][2]:
         _fail(
             f"this rank's shard of {name} has shape {shape}, but the graph computes "
-            f"on shards of shape {SHARD_INPUTS[position][2]}, those of the rank that "
+            f"on shards of shape {_SHARD_INPUTS[position][2]}, those of the rank that "
             "captured it: a pair is made for its rank's shards. Load on each rank "
             "the pair that rank captured (precompile() on every rank)."
         )
-{% endif %}
 
 
-def _show_sharding(mesh_shape: tuple[int, ...], placements: tuple[str, ...]) -> str:
-    return f"placements ({', '.join(placements)}) on a mesh of shape {mesh_shape}"
-{% if features.local_shards %}
-
-
-# Inductor compiles plain tensors, and a fully_shard model's trace gathers its
-# parameters from their shards: capture traced DTensor's dispatch into the local ops
-# and collectives it issues, so the graph computes on local shards, for the sharding,
-# process groups and shard shapes of SHARD_INPUTS, and returns the local shards of
-# the DTensor results (SHARD_OUTPUTS). The module state and the input leaves are
-# held to their sharding by _check_sharding (and the fast path, which remembers each
-# spec); the optimizers' state, the graph inputs after them, here.
 _OPTIMIZER_SHARDS = {
     position: (groups, placements)
-    for position, (groups, placements, _) in SHARD_INPUTS.items()
+    for position, (groups, placements, _) in _SHARD_INPUTS.items()
     if position >= _NUM_STATE + len(USER_INPUT_SHAPES)
 }
 
@@ -101,9 +140,9 @@ def _local_shards(inputs: list[Any]) -> tuple[list[Any], DeviceMesh]:
             )
         _check_shard_shape("an optimizer's state tensor", position, tensor)
     shards = list(inputs)
-    for position in SHARD_INPUTS:
+    for position in _SHARD_INPUTS:
         shards[position] = inputs[position]._local_tensor
-    return shards, inputs[next(iter(SHARD_INPUTS))].device_mesh
+    return shards, inputs[next(iter(_SHARD_INPUTS))].device_mesh
 
 
 def _mesh_groups(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -120,15 +159,9 @@ def _placement(text: str) -> Placement:
     return Replicate()
 
 
-_RESULT_PLACEMENTS = {
-    position: tuple(map(_placement, placements))
-    for position, (placements, _, _) in SHARD_OUTPUTS.items()
-}
-
-
 def _dtensor_results(outputs: list[Any], mesh: DeviceMesh) -> list[Any]:
     results = list(outputs)
-    for position, (_, shape, stride) in SHARD_OUTPUTS.items():
+    for position, (_, shape, stride) in _SHARD_OUTPUTS.items():
         results[position] = DTensor.from_local(
             outputs[position],
             mesh,
@@ -138,15 +171,9 @@ def _dtensor_results(outputs: list[Any], mesh: DeviceMesh) -> list[Any]:
             stride=stride,
         )
     return results
-{% endif %}
-{% else %}
-def _check_sharding(name: str, position: int, tensor: torch.Tensor) -> None:
-    # No DTensor exists unless torch.distributed.tensor was imported.
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is not None and isinstance(tensor, module.DTensor):
-        _fail(
-            f"{name} is a DTensor (sharded over a device mesh), but the artifact was "
-            "captured with a plain tensor there. Pass a plain tensor (.full_tensor() "
-            "gives the whole of it), or capture again with DTensors."
-        )
-{% endif %}
+
+
+_RESULT_PLACEMENTS = {
+    position: tuple(map(_placement, placements))
+    for position, (placements, _, _) in _SHARD_OUTPUTS.items()
+}

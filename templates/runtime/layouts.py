@@ -1,6 +1,30 @@
-{#- Memory layouts: Inductor specialises on the strides of the inputs its kernels read
-    (and those the graph updates in place), which are recorded for those only. -#}
-{% if features.state_layouts %}
+# Runtime support for Inductor's memory layouts: carried after the calls part
+# (templates/runtime/calls.py) by every inductor artifact whose kernels specialise on
+# the strides of their inputs, from its first "# ---" heading on. The lines above that
+# heading are not carried: they import what the rest of the artifact defines, so that
+# ruff and pyrefly check this part as a module of its own.
+from templates.runtime.calls import _NUM_STATE, _leaf_name
+from templates.runtime.declarations import (
+    _USER_POSITIONS,
+    ALIASED_INPUTS,
+    BUFFER_STRIDES,
+    PARAM_STRIDES,
+    USER_INPUT_SHAPES,
+    USER_INPUT_STRIDES,
+)
+from templates.runtime.support import _fail, _layout_message, _same_layout
+
+# isort: split
+
+# --- Memory layouts -----------------------------------------------------------------
+# Inductor specialises on the strides of the inputs its kernels read (and those the
+# graph updates in place), which are recorded for those only.
+import warnings
+from typing import cast
+
+import torch
+
+
 def _check_state_layouts(tensors: list[torch.Tensor], names: list[str]) -> None:
     """Inductor asserts these strides inside the graph, possibly after it has updated
     buffers in place; check them first."""
@@ -10,8 +34,6 @@ def _check_state_layouts(tensors: list[torch.Tensor], names: list[str]) -> None:
             _fail(_layout_message(f"the model's {name!r}", tensor, strides))
 
 
-{% endif %}
-{% if features.leaf_layouts %}
 def _uncopied_leaves() -> dict[int, str]:
     """Why a leaf passed in another layout cannot run on a copy in the example's,
     for the leaves where it cannot."""
@@ -30,14 +52,12 @@ def _uncopied_leaves() -> dict[int, str]:
                     "it shares a storage with other inputs, as at capture, which a "
                     "copy would not"
                 )
-{% if cap.mutated_inputs %}
-    for position in MUTATED_INPUTS:
+    for position in globals().get("MUTATED_INPUTS", []):
         if position >= _NUM_STATE:
             reasons[position - _NUM_STATE] = (
                 "the graph writes into it in place, and a write into a copy would not "
                 "reach the caller's tensor"
             )
-{% endif %}
     return reasons
 
 
@@ -104,14 +124,4 @@ def _uncopied_message(
         f"which the inductor backend specialises on; {reason}, so it cannot run on a "
         "copy in the example's layout. Pass it in the example's layout (.contiguous() "
         "for a contiguous example), or capture with backend='eager'."
-    )
-
-
-{% endif %}
-def _layout_message(what: str, tensor: torch.Tensor, strides: tuple[int, ...]) -> str:
-    return (
-        f"{what} has strides {tuple(tensor.stride())}, but the example had {strides}: "
-        "the same shape in another memory layout (e.g. transposed or channels_last), "
-        "which the inductor backend specialises on. Pass it in the example's layout "
-        "(.contiguous() for a contiguous example), or capture with backend='eager'."
     )

@@ -1,0 +1,21 @@
+# --- The captured graph's run -------------------------------------------------------
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _run_captured(call: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> Any:
+    """The captured ATen graph's flat outputs for ``inputs``. The graph already
+    contains the backward ops it needs; recording autograd history for them would
+    only cost memory. Grad mode is switched directly: entering torch.no_grad() costs
+    more than a small driver's checks."""
+    grad_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return call(inputs)
+    except BaseException:
+        _forget_checks()
+        raise
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
