@@ -130,3 +130,30 @@ def test_pyrefly_catches_a_type_error_in_a_stub(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "bad-argument-type" in result.stdout + result.stderr
+
+
+def test_runtime_declarations_are_the_artifacts_names() -> None:
+    # The parts are checked against runtime/declarations.py; each name it declares
+    # must be what an artifact defines under that name, with the same annotation.
+    import ast
+
+    from precompile_gen import render_artifact
+
+    def annotations(text: str) -> dict[str, str]:
+        return {
+            node.target.id: ast.unparse(node.annotation)
+            for node in ast.parse(text).body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        }
+
+    declared = annotations(
+        (REPO_ROOT / "templates" / "runtime" / "declarations.py").read_text("utf-8")
+    )
+    defined: dict[str, str] = {}
+    for backend in BACKENDS:
+        for make in STUBS.values():
+            defined.update(annotations(render_artifact(make(backend))))
+    assert declared.keys() <= defined.keys()
+    for name, annotation in declared.items():
+        # The artifact quotes Any, which only the runtime support imports.
+        assert defined[name].replace("'Any'", "Any") == annotation, name
