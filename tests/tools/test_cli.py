@@ -602,15 +602,22 @@ def test_diff_compares_goldens_section_by_section(
     assert out.rstrip().endswith("the artifacts are identical")
     code, out, _ = _cli(capsys, "diff", a, b)
     assert code == 1
-    # Each driver carries what its capture needs: the training step's adds the
-    # gradients, and nothing else differs. The metadata lists constants.
+    # Each driver lists what its capture needs: the training step's adds the
+    # gradients' steps, and carries the runtime support's gradients part. The
+    # metadata lists constants.
     assert re.search(
         r"^== 3\. Driver: validate the call, run the graph -> 3\. Driver: validate "
-        r"the call, run the graph, scatter gradients: 5 lines removed, \d+ added$",
+        r"the call, run the graph, scatter gradients: \d+ lines removed, \d+ added$",
         out,
         re.M,
     )
-    assert "+def _add_gradients(" in out
+    assert "+    flat_outputs = _scatter_gradients(state, flat_outputs)" in out
+    assert re.search(
+        r"^== 4\. Runtime support: support \+ calls \+ captured_graph .* -> "
+        r"4\. Runtime support: support \+ gradients \+ calls \+ captured_graph ",
+        out,
+        re.M,
+    )
     assert re.search(r"^== 2\. Calling-convention metadata: ", out, re.M)
     assert "~ NUM_POSITIONAL_ARGS:\n    - 2\n    + 3" in out
     assert "~ GRAD_PARAM_INDICES:\n    - []\n    + [0, 1, 2, 3]" in out
@@ -625,7 +632,8 @@ def test_diff_compares_goldens_section_by_section(
 
 
 def test_diff_shows_the_same_runtime_support_as_one_line() -> None:
-    a, b = _golden("eager_inference"), _golden("eager_train_step")
+    # Two captures whose features need the same parts.
+    a, b = _golden("eager_inference"), _golden("eager_literals_aliasing")
     runtime = sections_by_key(a)["runtime"]
     out, differs = diff_artifacts(a, b)
     assert differs
