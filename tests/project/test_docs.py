@@ -89,10 +89,10 @@ def test_the_demo_report_is_the_same_run_everywhere() -> None:
 
 
 def test_gallery_is_generated_from_the_current_goldens() -> None:
-    gallery = _module(REPO_ROOT / "tools" / "gallery.py")
+    gallery = _module(REPO_ROOT / "scripts" / "gallery.py")
     page = (REPO_ROOT / gallery.PAGE).read_text(encoding="utf-8")
     assert page == gallery.render_page(REPO_ROOT), (
-        f"{gallery.PAGE} differs from the goldens; run `python tools/regenerate.py` "
+        f"{gallery.PAGE} differs from the goldens; run `python scripts/regenerate.py` "
         f"and commit {gallery.PAGE}"
     )
     # It shows both backends' artifacts and inspect output, taken from the goldens.
@@ -106,14 +106,14 @@ def test_gallery_is_generated_from_the_current_goldens() -> None:
 def test_documented_golden_update_command_regenerates_the_goldens(
     tmp_path: Path,
 ) -> None:
-    # The command tools/regenerate.py runs, which docs/architecture.md documents, run
+    # The command scripts/regenerate.py runs, which docs/architecture.md documents, run
     # on a copy of the test tree so that the real goldens are never written by the
     # test suite.
-    regenerate = _module(REPO_ROOT / "tools" / "regenerate.py")
+    regenerate = _module(REPO_ROOT / "scripts" / "regenerate.py")
     command = " ".join(regenerate.GOLDEN_COMMAND)
     assert command == "python -m pytest tests/codegen/test_golden.py --update-goldens"
     architecture = (REPO_ROOT / "docs" / "architecture.md").read_text("utf-8")
-    assert command in architecture and "python tools/regenerate.py" in architecture
+    assert command in architecture and "python scripts/regenerate.py" in architecture
     # The copy runs under the project's pytest configuration, which puts the tests'
     # helpers (the copy's) in reach.
     shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")

@@ -1,7 +1,7 @@
 """Regenerate every generated file, or check that each is current.
 
-    python tools/regenerate.py           # rewrite each generated file from its source
-    python tools/regenerate.py --check   # exit 1, naming them, if any is out of date
+    python scripts/regenerate.py           # rewrite each generated file from its source
+    python scripts/regenerate.py --check   # exit 1, naming them, if any is out of date
 
 The files, in order, since each is made from the one before:
 
@@ -17,7 +17,7 @@ The files, in order, since each is made from the one before:
    made and checked everywhere.
 3. tests/golden/*.py: the goldens, by ``GOLDEN_COMMAND``; checked by running
    tests/codegen/test_golden.py without the flag.
-4. docs/gallery.md: excerpts of the goldens (tools/gallery.py).
+4. docs/gallery.md: excerpts of the goldens (scripts/gallery.py).
 
 Everything runs on this checkout's code, whatever copy of precompile_gen is
 installed.
@@ -122,7 +122,7 @@ def goldens(check: bool) -> str | None:
 
 def gallery(check: bool) -> str | None:
     """Regenerate (or check) docs/gallery.md; what is wrong, or None."""
-    tool = _module(ROOT / "tools" / "gallery.py")
+    tool = _module(ROOT / "scripts" / "gallery.py")
     if tool.main(["--check"] if check else []) != 0:
         return f"{tool.PAGE} differs from the goldens' excerpts"
     return None
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for problem in stale:
         print(f"out of date: {problem}", file=sys.stderr)
     if stale:
-        print("run `python tools/regenerate.py` and review the diff", file=sys.stderr)
+        print("run `python scripts/regenerate.py` and review the diff", file=sys.stderr)
         return 1
     return 0
 
