@@ -324,6 +324,16 @@ class TensorLiteral(NamedTuple):
     device: str
 
 
+class KernelEntry(NamedTuple):
+    """One kernel of Inductor's module, as the graph section lists it."""
+
+    name: str
+    # The ATen ops Inductor says it computes ("aten.addmm"), in Inductor's order.
+    aten_ops: list[str]
+    # The lines its definition takes in the module.
+    lines: int
+
+
 @dataclass(frozen=True)
 class CompiledGraph:
     """The compiled graph, spliced verbatim into the artifact, with what it needs."""
@@ -356,6 +366,9 @@ class CompiledGraph:
     # compiled, or run by Triton's interpreter, from its source there, unless the
     # cache carries Triton's compiled kernel for it (on a GPU).
     triton_kernels: list[str] = field(default_factory=list)
+    # Inductor only: every kernel ``source`` defines, in its order (its Triton ones
+    # and its C++ ones), which the graph section lists.
+    kernels: list[KernelEntry] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ epilogue), whose compiled binaries go into the cache.
 
 from __future__ import annotations
 
+import ast
 import operator
 import re
 from typing import NamedTuple
@@ -18,13 +19,14 @@ from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
     CompiledGraph,
+    KernelEntry,
     OptimizerArgument,
     StateTensor,
     TensorLiteral,
 )
 from precompile_gen.capturing import data_parallel, update_order
 from precompile_gen.capturing.trace import TracedGraph
-from precompile_gen.codegen import inductor_imports
+from precompile_gen.codegen import inductor_imports, inductor_module
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.errors import PrecompileError
 from precompile_gen.tools import timings
@@ -113,13 +115,14 @@ class _LoweredGraph(NamedTuple):
     rewritten_imports: list[tuple[str, str]]
     positional_names: list[str]
     triton_kernels: list[str]
+    kernels: list[KernelEntry]
     emulate_precision_casts: bool = False
 
 
 def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
     if backend == "eager":
         source, imports, branches = _eager_graph(traced.gm, traced.input_names)
-        return _LoweredGraph(source, imports, branches, None, {}, [], [], [])
+        return _LoweredGraph(source, imports, branches, None, {}, [], [], [], [])
     options = _inductor_options(traced)
     source, kernels = _inductor_graph(traced, options)
     source, rewritten_imports = _rewrite_imports(source)
@@ -133,6 +136,7 @@ def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
         positional_names=_positional_names(source, traced),
         triton_kernels=kernels.triton_kernels,
         emulate_precision_casts=options.get("emulate_precision_casts") is True,
+        kernels=inductor_module.kernels(source),
     )
 
 
@@ -189,7 +193,8 @@ def _optimizers_with_strides(
 
 def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
     return CompiledGraph(
-        source=graph.source,
+        # Last: what lowering read from the source found it as Inductor wrote it.
+        source=inductor_module.unpacked_one_per_line(graph.source),
         tensor_literals=[
             TensorLiteral(name, tensor.tolist(), str(tensor.dtype), str(tensor.device))
             for name, tensor in traced.constants
@@ -201,6 +206,7 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
         positional_names=graph.positional_names,
         triton_kernels=graph.triton_kernels,
         emulate_precision_casts=graph.emulate_precision_casts,
+        kernels=graph.kernels,
     )
 
 
@@ -307,9 +313,21 @@ def _name_inputs(gm: torch.fx.GraphModule, input_names: list[str]) -> None:
 
 
 def _graph_function(gm: torch.fx.GraphModule, name: str) -> str:
-    return (
-        gm.code.strip("\n").rstrip().replace("def forward(", f"def {name}(", 1) + "\n"
-    )
+    code = gm.code.strip("\n").rstrip().replace("def forward(", f"def {name}(", 1)
+    return _parameters_one_per_line(code) + "\n"
+
+
+def _parameters_one_per_line(code: str) -> str:
+    """fx's function with its signature one parameter a line, where it is longer
+    than a line: a large model's runs to thousands of characters."""
+    signature, newline, body = code.partition("\n")
+    if len(signature) <= inductor_module.LINE_LENGTH:
+        return code
+    header = ast.parse(signature + "\n    pass").body[0]
+    assert isinstance(header, ast.FunctionDef)
+    parameters = [ast.unparse(argument) for argument in header.args.args]
+    lines = [f"def {header.name}(", *(f"    {p}," for p in parameters), "):"]
+    return "\n".join(lines) + newline + body
 
 
 def _branch_sources(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:

@@ -28,6 +28,7 @@ import jinja2
 from precompile_gen.capture_result import (
     CaptureResult,
     InputLeaf,
+    KernelEntry,
     StateTensor,
     metadata_constants,
 )
@@ -282,10 +283,10 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def comment_lines(text: str, indent: int = 0) -> list[str]:
+def comment_lines(text: str, indent: int = 0, lead: int = 0) -> list[str]:
     """``text`` made safe for comments (``comment_text``) and filled into ``#`` lines
-    at ``indent``, to black's line length."""
-    prefix = " " * indent + "# "
+    at ``indent``, to black's line length, ``lead`` more columns after the ``# ``."""
+    prefix = " " * indent + "# " + " " * lead
     return textwrap.wrap(
         comment_text(text),
         width=BLACK_LINE_LENGTH,
@@ -338,16 +339,11 @@ class DriverFeatures:
     compiled: bool
     # Every non-module argument is one tensor (no nesting, no other values).
     tensor_arguments: bool
-    non_tensor_leaves: bool
-    # bool/int/float/str leaves built into the graph.
+    # bool/int/float/str leaves built into the graph (the header says so).
     values: bool
-    # Python values the trace read (module attributes, globals) built into the graph.
-    python_values: bool
     # mark_unbacked dims: their bounds, and dims that must share a size.
     dynamic_dims: bool
     shared_sizes: bool
-    # Dicts among the inputs, whose keys a call may pass in another order.
-    dict_inputs: bool
     # Namedtuple and dataclass types the specs name, imported when loaded.
     pytree_types: bool
     # Inputs that shared a storage at capture.
@@ -389,12 +385,9 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         compiled=inductor,
         tensor_arguments=_flat_tuple_of_leaves(cap.in_spec, len(user_positions))
         and all(leaf.shape is not None for leaf in leaves),
-        non_tensor_leaves=any(leaf.shape is None for leaf in leaves),
         values=any(leaf.value is not None for leaf in leaves),
-        python_values=bool(cap.python_values),
         dynamic_dims=any(leaf.bounds for leaf in leaves),
         shared_sizes=any(leaf.symbols for leaf in leaves),
-        dict_inputs=cap.in_spec is not None and '"builtins.dict"' in cap.in_spec,
         pytree_types=bool(cap.pytree_types),
         aliasing=bool(cap.aliased_inputs),
         state_layouts=inductor
@@ -528,6 +521,8 @@ class GraphFeatures:
     autotuning_block: bool
     # The Triton kernels the module defines, by name, as lowering found them.
     triton_kernels: list[str]
+    # Inductor: the table of its kernels, as comment lines.
+    kernel_lines: list[str]
     # AOTAutograd's module defines ``call`` again, over Inductor's inner one.
     redefined_call: bool
     # Per graph input: (Inductor's name for it, where it has one,) its name and what
@@ -573,10 +568,27 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
         ),
         autotuning_block=len(rewritten) < len(graph.rewritten_imports),
         triton_kernels=graph.triton_kernels,
+        kernel_lines=[
+            line
+            for kernel in graph.kernels
+            for line in [
+                f"#   {comment_text(kernel.name)}",
+                *comment_lines(_kernel_entry(kernel), lead=6),
+            ]
+        ],
         redefined_call="\ndef call(flat_inputs):  # noqa: F811" in graph.source,
         input_rows=input_rows,
         tensor_rows=_tensor_rows(cap),
     )
+
+
+def _kernel_entry(kernel: KernelEntry) -> str:
+    ops = (
+        ", ".join(op.removeprefix("aten.") for op in kernel.aten_ops)
+        if kernel.aten_ops
+        else "(Inductor's module names no ATen op for it)"
+    )
+    return f"{kernel.lines} lines: {ops}"
 
 
 def _import_blocks(imports: list[str]) -> list[list[str]]:

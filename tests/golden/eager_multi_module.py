@@ -35,7 +35,19 @@ import torch
 from torch import device
 
 
-def _graph_forward(self, p_m0_0_weight, p_m0_0_bias, p_m0_1_weight, p_m0_1_bias, p_m1_weight, p_m1_bias, b_m0_1_running_mean, b_m0_1_running_var, b_m0_1_num_batches_tracked, batch_x):
+def _graph_forward(
+    self,
+    p_m0_0_weight,
+    p_m0_0_bias,
+    p_m0_1_weight,
+    p_m0_1_bias,
+    p_m1_weight,
+    p_m1_bias,
+    b_m0_1_running_mean,
+    b_m0_1_running_var,
+    b_m0_1_num_batches_tracked,
+    batch_x,
+):
     t = torch.ops.aten.t.default(p_m0_0_weight);  p_m0_0_weight = None
     addmm = torch.ops.aten.addmm.default(p_m0_0_bias, batch_x, t);  p_m0_0_bias = batch_x = t = None
     add_ = torch.ops.aten.add_.Tensor(b_m0_1_num_batches_tracked, 1);  b_m0_1_num_batches_tracked = add_ = None

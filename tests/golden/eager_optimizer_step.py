@@ -41,7 +41,21 @@
 import torch
 
 
-def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, target, optimizer_0_weight_momentum_buffer, optimizer_0_bias_momentum_buffer, optimizer_2_weight_momentum_buffer, optimizer_2_bias_momentum_buffer, optimizer_group0_lr, optimizer_group0_values):
+def _graph_forward(
+    self,
+    p_0_weight,
+    p_0_bias,
+    p_2_weight,
+    p_2_bias,
+    x,
+    target,
+    optimizer_0_weight_momentum_buffer,
+    optimizer_0_bias_momentum_buffer,
+    optimizer_2_weight_momentum_buffer,
+    optimizer_2_bias_momentum_buffer,
+    optimizer_group0_lr,
+    optimizer_group0_values,
+):
     select = torch.ops.aten.select.int(optimizer_group0_values, 0, 0)
     mul_ = torch.ops.aten.mul_.Tensor(optimizer_0_weight_momentum_buffer, select);  optimizer_0_weight_momentum_buffer = None
     mul__1 = torch.ops.aten.mul_.Tensor(optimizer_0_bias_momentum_buffer, select);  optimizer_0_bias_momentum_buffer = None

@@ -29,7 +29,7 @@ from precompile_gen.capture_result import (
     StateTensor,
 )
 from precompile_gen.capturing import lower
-from precompile_gen.codegen import inductor_imports, render
+from precompile_gen.codegen import inductor_imports, inductor_module, render
 from precompile_gen.codegen.sections import sections_by_key
 from precompile_gen.runtime import kernel_binaries
 
@@ -194,7 +194,8 @@ def _canned_inductor(
         leaves=[_input_leaf((3, 4))],
         aliased_inputs=[],
         graph=CompiledGraph(
-            source=source,
+            # As lowering lays out a live module, which it reads first.
+            source=inductor_module.unpacked_one_per_line(source),
             tensor_literals=[],
             input_names=input_names,
             imports=[],
@@ -202,6 +203,7 @@ def _canned_inductor(
             rewritten_imports=rewritten_imports,
             positional_names=[f"arg{index}_1" for index in range(len(input_names))],
             triton_kernels=_TRITON_KERNEL.findall(source),
+            kernels=inductor_module.kernels(source),
         ),
         # The canned graph's kernels are not compiled here: nothing is pinned.
         kernel_binaries={},
