@@ -1,5 +1,5 @@
-# Runtime support for the eager backend's graph: carried last but for the parts of
-# the capture's features by every eager artifact, from its first "# ---" heading on.
+# Runtime support for the eager backend's graph: carried last by every eager
+# artifact, from its first "# ---" heading on.
 # The lines above that heading are not carried: they import what the base part
 # defines, so that ruff and pyrefly check this part as a module of its own.
 from templates.runtime.support import _forget_checks

@@ -1,4 +1,4 @@
-# Runtime support for the inductor backend's graph: carried by every inductor
+# Runtime support for the inductor backend's graph: carried last by every inductor
 # artifact, from its first "# ---" heading on. The lines above that heading are not
 # carried: they import what the base part defines, so that ruff and pyrefly check
 # this part as a module of its own.

@@ -1,7 +1,7 @@
-# Runtime support for optimizer arguments: carried after the base part
-# (templates/runtime/support.py) by every artifact whose capture takes an optimizer,
+# Runtime support for optimizer arguments: carried after the calls part
+# (templates/runtime/calls.py) by every artifact whose capture takes an optimizer,
 # from its first "# ---" heading on. The lines above that heading are not carried:
-# they import what the base part already defines, so that ruff and pyrefly check
+# they import what the rest of the artifact defines, so that ruff and pyrefly check
 # this part as a module of its own.
 from typing import Any, cast
 

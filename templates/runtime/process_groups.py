@@ -1,8 +1,8 @@
-# Runtime support for collectives: carried after the base part
-# (templates/runtime/support.py) by every artifact whose graph communicates over
+# Runtime support for collectives: carried after the calls part
+# (templates/runtime/calls.py) by every artifact whose graph communicates over
 # process groups, from its first "# ---" heading on. The lines above that heading
-# are not carried: they import what the base part already defines, so that ruff and
-# pyrefly check this part as a module of its own.
+# are not carried: they import what the rest of the artifact defines, so that ruff
+# and pyrefly check this part as a module of its own.
 from typing import Any, cast
 
 from templates.runtime.declarations import ARGUMENT_NAMES
