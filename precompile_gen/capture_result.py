@@ -324,6 +324,18 @@ class TensorLiteral(NamedTuple):
     device: str
 
 
+class ImportRewrite(NamedTuple):
+    """One import line of Inductor's module that lowering rewrote
+    (``codegen.inductor_imports``)."""
+
+    original: str
+    # What replaces it ("" where it is dropped).
+    replacement: str
+    # The name the replacement binds that the graph section must define
+    # ("_AsyncCompile", "_assert_tensor_metadata", "SimpleNamespace"); "" for none.
+    stand_in: str
+
+
 class KernelEntry(NamedTuple):
     """One kernel of Inductor's module, as the graph section lists it."""
 
@@ -355,7 +367,7 @@ class CompiledGraph:
     # in ``source``, each with its replacement ("" for a dropped line); and the
     # names its inner ``call`` unpacks the graph inputs into (``arg0_1``, ...), where
     # they are ``input_names`` one to one (empty where AOTAutograd merged inputs).
-    rewritten_imports: list[tuple[str, str]]
+    rewritten_imports: list[ImportRewrite]
     positional_names: list[str] = field(default_factory=list)
     # Inductor only: whether it rounds each float16 and bfloat16 op's result to its
     # dtype, as eager does, rather than once per fused kernel (its

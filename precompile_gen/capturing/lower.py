@@ -19,6 +19,7 @@ from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
     CompiledGraph,
+    ImportRewrite,
     KernelEntry,
     OptimizerArgument,
     StateTensor,
@@ -112,7 +113,7 @@ class _LoweredGraph(NamedTuple):
     branches: list[str]
     cache_artifact: dict[str, object] | None
     kernel_sources: dict[str, str]
-    rewritten_imports: list[tuple[str, str]]
+    rewritten_imports: list[ImportRewrite]
     positional_names: list[str]
     triton_kernels: list[str]
     kernels: list[KernelEntry]
@@ -351,7 +352,7 @@ def _branch_sources(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     return branches
 
 
-def _rewrite_imports(graph_source: str) -> tuple[str, list[tuple[str, str]]]:
+def _rewrite_imports(graph_source: str) -> tuple[str, list[ImportRewrite]]:
     """Inductor's module with the imports that need its compiler rewritten
     (``inductor_imports``), resolving ``extern_kernels`` with Inductor's own table."""
     from torch._inductor.select_algorithm import extern_kernels

@@ -36,6 +36,8 @@ from collections.abc import Mapping
 
 import torch
 
+from precompile_gen.capture_result import ImportRewrite
+
 # The line after Inductor's imports, before its first kernel.
 _IMPORTS_END = "\nasync_compile = AsyncCompile()\n"
 # Inductor writes it as a raw string statement at the top of the module, with any
@@ -57,21 +59,21 @@ STAND_INS = {
 
 def rewrite(
     source: str, extern_kernels: Mapping[str, object]
-) -> tuple[str, list[tuple[str, str]]]:
-    """``source`` with its imports from Inductor rewritten, and each rewrite as
-    (original line, replacement; "" for a dropped line). ``extern_kernels`` is
-    Inductor's ``select_algorithm.extern_kernels`` table, by member name. The
-    auto-tuning block, if any, is dropped first, and listed as (``AUTOTUNING_BLOCK``,
-    "")."""
+) -> tuple[str, list[ImportRewrite]]:
+    """``source`` with its imports from Inductor rewritten, and each rewrite
+    (original line, replacement, "" for a dropped line, and the stand-in it binds).
+    ``extern_kernels`` is Inductor's ``select_algorithm.extern_kernels`` table, by
+    member name. The auto-tuning block, if any, is dropped first, and listed with
+    ``AUTOTUNING_BLOCK`` as its original."""
     source, blocks = _AUTOTUNING_BLOCK.subn("", source, count=1)
-    dropped = [(AUTOTUNING_BLOCK, "")] if blocks else []
+    dropped = [ImportRewrite(AUTOTUNING_BLOCK, "", "")] if blocks else []
     imports = _import_block(source)
     if imports is None:
         return source, dropped
     body, end = imports
     head, rest = source[:end], source[end:]
     lines = head.split("\n")
-    replacements: dict[int, str] = {}
+    replacements: dict[int, tuple[str, str]] = {}
     for node in body:
         if (
             isinstance(node, ast.ImportFrom)
@@ -82,12 +84,13 @@ def rewrite(
             if replacement is not None:
                 replacements[node.lineno - 1] = replacement
     rewritten = [
-        replacements.get(index, line)
+        replacements[index][0] if index in replacements else line
         for index, line in enumerate(lines)
-        if replacements.get(index) != ""
+        if replacements.get(index, ("-", ""))[0] != ""
     ]
     rewrites = dropped + [
-        (lines[index], new) for index, new in sorted(replacements.items())
+        ImportRewrite(lines[index], new, stand_in)
+        for index, (new, stand_in) in sorted(replacements.items())
     ]
     return "\n".join(rewritten) + rest, rewrites
 
@@ -107,12 +110,13 @@ def _import_block(source: str) -> tuple[list[ast.stmt], int] | None:
 
 def _replacement(
     node: ast.ImportFrom, rest: str, extern_kernels: Mapping[str, object]
-) -> str | None:
-    """What replaces the import ``node``, "" to drop it, None to keep it."""
+) -> tuple[str, str] | None:
+    """What replaces the import ``node`` ("" to drop it) and the stand-in that
+    binds; None to keep it."""
     bound = [alias.asname or alias.name for alias in node.names]
     stand_in = STAND_INS.get((node.module or "", node.names[0].name))
     if len(node.names) == 1 and stand_in is not None:
-        return f"{bound[0]} = {stand_in}"
+        return f"{bound[0]} = {stand_in}", stand_in
     if bound == ["extern_kernels"]:
         members = sorted(set(re.findall(r"\bextern_kernels\.(\w+)", rest)))
         expressions = [_torch_expression(extern_kernels.get(m)) for m in members]
@@ -121,10 +125,10 @@ def _replacement(
         fields = ", ".join(
             f"{m}={e}" for m, e in zip(members, expressions, strict=True)
         )
-        return f"extern_kernels = SimpleNamespace({fields})"
+        return f"extern_kernels = SimpleNamespace({fields})", "SimpleNamespace"
     if any(re.search(rf"\b{re.escape(name)}\b", rest) for name in bound):
         return None
-    return ""
+    return "", ""
 
 
 def _torch_expression(kernel: object) -> str | None:

@@ -27,6 +27,7 @@ import jinja2
 
 from precompile_gen.capture_result import (
     CaptureResult,
+    ImportRewrite,
     InputLeaf,
     KernelEntry,
     StateTensor,
@@ -513,7 +514,7 @@ class GraphFeatures:
     import_blocks: list[list[str]]
     # Inductor: the import lines rewritten, and the stand-ins the rewrites bind,
     # each defined by the section only where it is bound.
-    rewritten_imports: list[tuple[str, str]]
+    rewritten_imports: list[ImportRewrite]
     async_compile: bool
     simple_namespace: bool
     assert_tensor_metadata: bool
@@ -538,9 +539,9 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
     rewritten = [
         rewrite
         for rewrite in graph.rewritten_imports
-        if rewrite[0] != inductor_imports.AUTOTUNING_BLOCK
+        if rewrite.original != inductor_imports.AUTOTUNING_BLOCK
     ]
-    bound = [replacement for _, replacement in rewritten]
+    stand_ins = {rewrite.stand_in for rewrite in rewritten}
     names = graph.input_names
     roles = _input_roles(cap)
     if len(names) != len(roles):
@@ -561,11 +562,9 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
     return GraphFeatures(
         import_blocks=_import_blocks(graph.imports),
         rewritten_imports=rewritten,
-        async_compile=any(line.endswith("= _AsyncCompile") for line in bound),
-        simple_namespace=any("= SimpleNamespace(" in line for line in bound),
-        assert_tensor_metadata=any(
-            line.endswith("= _assert_tensor_metadata") for line in bound
-        ),
+        async_compile="_AsyncCompile" in stand_ins,
+        simple_namespace="SimpleNamespace" in stand_ins,
+        assert_tensor_metadata="_assert_tensor_metadata" in stand_ins,
         autotuning_block=len(rewritten) < len(graph.rewritten_imports),
         triton_kernels=graph.triton_kernels,
         kernel_lines=[

@@ -20,6 +20,7 @@ from precompile_gen.capture_result import (
     CompiledGraph,
     DeferredStep,
     DTensorLayout,
+    ImportRewrite,
     IndexCheck,
     InputLeaf,
     ModuleArgument,
@@ -67,20 +68,23 @@ _GRAPH_STUBS: dict[Backend, str] = {
 # Each rewrite the inductor stub's graph stands for (inductor_imports), so that every
 # stand-in the graph section can define is rendered.
 _REWRITTEN_IMPORTS = [
-    (
+    ImportRewrite(
         "from torch._inductor.async_compile import AsyncCompile",
         "AsyncCompile = _AsyncCompile",
+        "_AsyncCompile",
     ),
-    (
+    ImportRewrite(
         "from torch._inductor.select_algorithm import extern_kernels",
         "extern_kernels = SimpleNamespace(addmm=torch.addmm)",
+        "SimpleNamespace",
     ),
-    (
+    ImportRewrite(
         "from torch._inductor.runtime.runtime_utils import assert_tensor_metadata",
         "assert_tensor_metadata = _assert_tensor_metadata",
+        "_assert_tensor_metadata",
     ),
-    ("from torch._inductor.hooks import run_intermediate_hooks", ""),
-    (inductor_imports.AUTOTUNING_BLOCK, ""),
+    ImportRewrite("from torch._inductor.hooks import run_intermediate_hooks", "", ""),
+    ImportRewrite(inductor_imports.AUTOTUNING_BLOCK, "", ""),
 ]
 
 # The imports fx's generated code relies on (torch.fx.graph._custom_builtins).

@@ -45,20 +45,24 @@ _MODULE = (
 
 def test_each_import_is_rewritten_as_documented() -> None:
     source, rewrites = inductor_imports.rewrite(_MODULE, {"mm": torch.mm})
+    # Each with the stand-in the graph section defines for it.
     assert rewrites == [
-        (inductor_imports.AUTOTUNING_BLOCK, ""),
-        ("from torch._inductor.hooks import run_intermediate_hooks", ""),
+        (inductor_imports.AUTOTUNING_BLOCK, "", ""),
+        ("from torch._inductor.hooks import run_intermediate_hooks", "", ""),
         (
             "from torch._inductor.runtime.runtime_utils import assert_tensor_metadata",
             "assert_tensor_metadata = _assert_tensor_metadata",
+            "_assert_tensor_metadata",
         ),
         (
             "from torch._inductor.async_compile import AsyncCompile",
             "AsyncCompile = _AsyncCompile",
+            "_AsyncCompile",
         ),
         (
             "from torch._inductor.select_algorithm import extern_kernels",
             "extern_kernels = SimpleNamespace(mm=torch.mm)",
+            "SimpleNamespace",
         ),
     ]
     # maybe_profile is used below, so its import stays; the auto-tuning block, a
@@ -67,7 +71,7 @@ def test_each_import_is_rewritten_as_documented() -> None:
     assert "auto-tuning" not in source
     assert "from torch._inductor.async_compile import AsyncCompile" not in source
     rebuilt = _MODULE.replace(_AUTOTUNING_BLOCK, "")
-    for original, replacement in rewrites[1:]:
+    for original, replacement, _ in rewrites[1:]:
         index = rebuilt.rindex(original + "\n")
         new = replacement + "\n" if replacement else ""
         rebuilt = rebuilt[:index] + new + rebuilt[index + len(original) + 1 :]
@@ -89,6 +93,7 @@ def test_extern_kernels_are_named_as_torch_names_them(
     assert (
         "from torch._inductor.select_algorithm import extern_kernels",
         f"extern_kernels = SimpleNamespace(mm={expression})",
+        "SimpleNamespace",
     ) in rewrites
 
 
@@ -98,7 +103,7 @@ def test_an_extern_kernel_that_is_not_torchs_keeps_the_import() -> None:
 
     source, rewrites = inductor_imports.rewrite(_MODULE, {"mm": tuned_mm})
     assert "from torch._inductor.select_algorithm import extern_kernels\n" in source
-    assert all("extern_kernels" not in original for original, _ in rewrites)
+    assert all("extern_kernels" not in rewrite.original for rewrite in rewrites)
 
 
 def test_a_module_without_kernels_is_left_alone() -> None:
