@@ -441,7 +441,6 @@ class DriverConvention:
     # Positions of the non-module arguments, and the call's shape in words.
     user_positions: list[int]
     signature: str
-    tensor_arguments: bool
     # forward()'s docstring, laid out as black leaves it (quotes included).
     docstring: list[str]
     # The graph's inputs, as forward() lists them.
@@ -474,7 +473,6 @@ def driver_convention(cap: CaptureResult, features: DriverFeatures) -> DriverCon
         call=call,
         user_positions=_user_positions(cap),
         signature=", ".join(_argument_kinds(cap)),
-        tensor_arguments=features.tensor_arguments,
         docstring=docstring(text, indent=4),
         graph_inputs="[" + ", ".join(["*state.tensors", "*leaves", *extra]) + "]",
         state_checks=[

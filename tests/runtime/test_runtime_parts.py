@@ -30,7 +30,7 @@ def executed(cap: pg.CaptureResult) -> dict[str, Any]:
         **metadata_constants(cap),
         "_USER_POSITIONS": convention.user_positions,
         "_SIGNATURE": convention.signature,
-        "_TENSOR_ARGUMENTS": convention.tensor_arguments,
+        "_TENSOR_ARGUMENTS": features.tensor_arguments,
     }
     text = render.runtime_support(render.runtime_parts(features))
     exec(compile(text, "<runtime support>", "exec"), namespace)
