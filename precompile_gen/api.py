@@ -81,7 +81,9 @@ def precompile(
         with timings.stage("render"):
             python_code = render_artifact(cap)
         with timings.stage("cache"):
-            cache = build_cache(python_code, cap.backend, cap.cache_artifact, key=key)
+            cache = build_cache(
+                python_code, cap.backend, cap.payload.cache_artifact, key=key
+            )
     if artifact_path is not None and cache_path is not None:
         write_pair(artifact_path, cache_path, python_code, cache)
     return python_code, cache

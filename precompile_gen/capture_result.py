@@ -133,9 +133,6 @@ class OptimizerStateTensor(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     device: str
-    # As for the module state: the strides the compiled graph depends on (inductor
-    # asserts them, possibly after updating parameters), None where it does not.
-    stride: tuple[int, ...] | None
 
 
 class ParamGroup(NamedTuple):
@@ -245,9 +242,6 @@ class StateTensor(NamedTuple):
     # As the calling convention names it (``convention.module_state``).
     name: str
     shape: tuple[int, ...]
-    # The example's strides where the compiled graph depends on them (the inductor
-    # backend's kernels read the tensor); None where it does not.
-    stride: tuple[int, ...] | None
     dtype: str
     device: str
     # Whether it required grad at capture: that decided which gradients the graph
@@ -271,7 +265,7 @@ class PythonValue(NamedTuple):
 
 class InputLeaf(NamedTuple):
     """One leaf of the flattened non-module arguments; a non-tensor leaf has no
-    shape, dtype, device, bounds, stride or symbols."""
+    shape, dtype, device, bounds or symbols."""
 
     shape: Shape | None
     dtype: str | None
@@ -280,9 +274,6 @@ class InputLeaf(NamedTuple):
     # symbol must have equal sizes.
     bounds: DimBounds | None
     symbols: dict[int, str] | None
-    # None for a non-tensor leaf, one with dynamic dims, or one whose layout the
-    # compiled graph does not depend on.
-    stride: tuple[int, ...] | None
     # The value of a bool, int, float or str leaf, which the trace built into the
     # graph, so the driver holds each call to it; None for the others.
     value: LeafValue | None
@@ -346,48 +337,21 @@ class KernelEntry(NamedTuple):
     lines: int
 
 
-@dataclass(frozen=True)
-class CompiledGraph:
-    """The compiled graph, spliced verbatim into the artifact, with what it needs."""
-
-    # Defines ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self,
-    # *inputs)`` (eager, wrapped into ``call`` by the eager graph template).
-    source: str
-    # Inputs of the graph after the user-input leaves, written out as literals.
-    tensor_literals: list[TensorLiteral]
-    # The name of each graph input, in ``flat_inputs`` order (``graph_names``): the
-    # eager graph's parameters are named so.
-    input_names: list[str]
-    # Eager only: the imports fx's generated code expects in scope.
-    imports: list[str]
-    # Eager only: the torch.cond branches fx's code reads as ``self.<name>``, each
-    # defined in ``source`` as ``_graph_<name>(self, *operands)``.
-    branches: list[str]
-    # Inductor only: the lines of Inductor's module that ``inductor_imports`` rewrote
-    # in ``source``, each with its replacement ("" for a dropped line); and the
-    # names its inner ``call`` unpacks the graph inputs into (``arg0_1``, ...), where
-    # they are ``input_names`` one to one (empty where AOTAutograd merged inputs).
-    rewritten_imports: list[ImportRewrite]
-    positional_names: list[str] = field(default_factory=list)
-    # Inductor only: whether it rounds each float16 and bfloat16 op's result to its
-    # dtype, as eager does, rather than once per fused kernel (its
-    # ``emulate_precision_casts``, on for graphs that compute in those dtypes).
-    emulate_precision_casts: bool = False
-    # Inductor only: the names of the Triton kernels ``source`` defines (GPU tensors,
-    # or CPU ones with Inductor's ``cpu_backend="triton"``), in its order. Each is
-    # compiled, or run by Triton's interpreter, from its source there, unless the
-    # cache carries Triton's compiled kernel for it (on a GPU).
-    triton_kernels: list[str] = field(default_factory=list)
-    # Inductor only: every kernel ``source`` defines, in its order (its Triton ones
-    # and its C++ ones), which the graph section lists.
-    kernels: list[KernelEntry] = field(default_factory=list)
+# Per graph input before the lrs (the module state, the input leaves, then the
+# optimizers' state): the strides the compiled graph depends on, None where it does
+# not (a non-tensor leaf, one with dynamic dims, or, on inductor, a tensor no kernel
+# reads with its layout).
+Strides = list[tuple[int, ...] | None]
 
 
 @dataclass(frozen=True)
-class CaptureResult:
-    """What one capture produced: the calling convention and the compiled graph."""
+class CallConvention:
+    """How the traced function was called, and what every call must match: the
+    arguments, the module state, the inputs, the outputs, the Python values, the
+    optimizers and the process groups. Trace fills it once; nothing in it depends
+    on the backend that compiles the graph."""
 
-    backend: Backend
+    # --- The arguments -----------------------------------------------------------
     # The traced function's ``__name__``, shown in the artifact's header.
     fn_name: str
     num_positional_args: int
@@ -398,47 +362,44 @@ class CaptureResult:
     # How many of torch's global module hooks of each kind were registered at the
     # call (``register_module_forward_hook`` and its kin): they ran for every module.
     global_module_hooks: dict[str, int]
-    # The Python values the trace read (module and config attributes, globals), each
-    # built into the graph: the driver holds every call to them.
-    python_values: list[PythonValue]
-    optimizers: list[OptimizerArgument]
-    # Graph inputs first: the modules' parameters, then their buffers.
+    # --- The module state: graph inputs first, the parameters, then the buffers ---
     params: list[StateTensor]
     buffers: list[StateTensor]
-    # The k-th trailing gradient output of the graph belongs to
-    # ``params[grad_param_indices[k]]``.
-    grad_param_indices: list[int]
-    # (parameter index, set_to_none) for each parameter whose ``.grad`` the function
-    # reset with zero_grad(): the driver resets the runtime model's the same way
-    # before adding the harvested gradients, as the eager call would have.
-    grad_resets: list[tuple[int, bool]]
+    # --- The inputs ----------------------------------------------------------------
     # ``treespec_dumps`` of the non-module arguments, or None when that spec cannot
-    # be serialised (the driver then skips the structure check); and of the result.
+    # be serialised (the driver then skips the structure check); and as
+    # ``treespec_pprint`` writes it, for people to read.
     in_spec: str | None
-    out_spec: str
-    # The same specs as ``treespec_pprint`` writes them, for people to read (None
-    # where ``in_spec`` is).
     in_structure: str | None
-    out_structure: str
-    # Positions among the function's flat outputs of the ``t.item()`` values it
-    # returned: the graph returns ``t``, and the driver returns ``t.item()``.
-    scalar_outputs: list[int]
     leaves: list[InputLeaf]
+    # The name of each graph input, in graph-input order (``graph_names``): the
+    # module state, the input leaves, the optimizers' state, lrs and values tensors,
+    # then the tensor literals. The eager graph's parameters are named so.
+    input_names: list[str]
     # The graph inputs that shared a storage at capture (a tensor passed twice, views
     # of one storage, a parameter also passed as an input): the graph is right only
     # for that aliasing, so the driver holds each call to it.
     aliased_inputs: list[AliasGroup]
-    graph: CompiledGraph
-    # The native code the artifact accepts from a cache: each kernel binary's file
-    # key (relative to inductor's cache folder) and sha256. A cache is only code
-    # nobody reads; the artifact, which people review, decides what of it may run.
-    kernel_binaries: dict[str, str]
-    # Which binary is whose: the sha256 of each C++ kernel's source (as the module
-    # passes it to ``cpp_pybinding``) -> the file key of its binary.
-    kernel_sources: dict[str, str]
-    # What the cache carries to skip compilation on reload (None for eager): plain
-    # data that torch.load(weights_only=True) reads back.
-    cache_artifact: dict[str, object] | None
+    # --- The outputs -------------------------------------------------------------
+    out_spec: str
+    out_structure: str
+    # The k-th trailing gradient output of the graph belongs to
+    # ``params[grad_param_indices[k]]``.
+    grad_param_indices: list[int]
+    # Positions among the function's flat outputs of the ``t.item()`` values it
+    # returned: the graph returns ``t``, and the driver returns ``t.item()``.
+    scalar_outputs: list[int]
+    # --- The Python values ---------------------------------------------------------
+    # The Python values the trace read (module and config attributes, globals), each
+    # built into the graph: the driver holds every call to them.
+    python_values: list[PythonValue]
+    # --- The optimizers ------------------------------------------------------------
+    optimizers: list[OptimizerArgument]
+    # (parameter index, set_to_none) for each parameter whose ``.grad`` the function
+    # reset with zero_grad(): the driver resets the runtime model's the same way
+    # before adding the harvested gradients, as the eager call would have.
+    grad_resets: list[tuple[int, bool]]
+    # --- The process groups --------------------------------------------------------
     # The process groups the graph's collectives (and DDP arguments) use, each
     # {"name", "backend", "ranks"}: a call must bring the same groups.
     process_groups: list[dict[str, object]] = field(default_factory=list)
@@ -454,6 +415,7 @@ class CaptureResult:
     # the DTensor results it returns the shards of, by graph-output position.
     shard_inputs: dict[int, ShardInput] = field(default_factory=dict)
     shard_outputs: dict[int, ShardOutput] = field(default_factory=dict)
+    # --- What only some captures have ----------------------------------------------
     # Sparse parameter gradients, built by the driver from the graph's last outputs,
     # and the optimizer steps it takes for them after the graph.
     sparse_gradients: SparseGradients | None = None
@@ -473,56 +435,151 @@ class CaptureResult:
     index_checks: list[IndexCheck] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class CompiledGraph:
+    """The compiled graph, spliced verbatim into the artifact, with what lowering
+    found in it: the strides it depends on, its kernels, the imports it rewrote."""
+
+    # Defines ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self,
+    # *inputs)`` (eager, wrapped into ``call`` by the eager graph template).
+    source: str
+    # Inputs of the graph after the user-input leaves, written out as literals.
+    tensor_literals: list[TensorLiteral]
+    input_strides: Strides
+    # Eager only: the imports fx's generated code expects in scope.
+    imports: list[str]
+    # Eager only: the torch.cond branches fx's code reads as ``self.<name>``, each
+    # defined in ``source`` as ``_graph_<name>(self, *operands)``.
+    branches: list[str]
+    # Inductor only: the lines of Inductor's module that ``inductor_imports`` rewrote
+    # in ``source``, each with its replacement ("" for a dropped line); and the
+    # names its inner ``call`` unpacks the graph inputs into (``arg0_1``, ...), where
+    # they are the convention's ``input_names`` one to one (empty where AOTAutograd
+    # merged inputs).
+    rewritten_imports: list[ImportRewrite]
+    positional_names: list[str] = field(default_factory=list)
+    # Inductor only: whether it rounds each float16 and bfloat16 op's result to its
+    # dtype, as eager does, rather than once per fused kernel (its
+    # ``emulate_precision_casts``, on for graphs that compute in those dtypes).
+    emulate_precision_casts: bool = False
+    # Inductor only: the names of the Triton kernels ``source`` defines (GPU tensors,
+    # or CPU ones with Inductor's ``cpu_backend="triton"``), in its order. Each is
+    # compiled, or run by Triton's interpreter, from its source there, unless the
+    # cache carries Triton's compiled kernel for it (on a GPU).
+    triton_kernels: list[str] = field(default_factory=list)
+    # Inductor only: every kernel ``source`` defines, in its order (its Triton ones
+    # and its C++ ones), which the graph section lists.
+    kernels: list[KernelEntry] = field(default_factory=list)
+    # Inductor only: AOTAutograd's code binds Inductor's inner ``call`` as
+    # ``_inner_call`` and defines the ``call`` the driver runs around it.
+    redefined_call: bool = False
+
+
+@dataclass(frozen=True)
+class KernelPayload:
+    """The compiled kernels the cache carries (inductor), and what the artifact
+    accepts of them; empty for eager."""
+
+    # The native code the artifact accepts from a cache: each kernel binary's file
+    # key (relative to inductor's cache folder) and sha256. A cache is only code
+    # nobody reads; the artifact, which people review, decides what of it may run.
+    kernel_binaries: dict[str, str] = field(default_factory=dict)
+    # Which binary is whose: the sha256 of each C++ kernel's source (as the module
+    # passes it to ``cpp_pybinding``) -> the file key of its binary.
+    kernel_sources: dict[str, str] = field(default_factory=dict)
+    # What the cache carries to skip compilation on reload (None for eager): plain
+    # data that torch.load(weights_only=True) reads back.
+    cache_artifact: dict[str, object] | None = None
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """What one capture produced: the calling convention trace recorded, the graph
+    lowering compiled from it, and the kernels the cache carries."""
+
+    backend: Backend
+    convention: CallConvention
+    graph: CompiledGraph
+    payload: KernelPayload
+
+
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:
     """The artifact's metadata constants by name, in emission order: the records
     flattened into aligned lists, the form ``parse_metadata`` and programs written
     for torch.compiler.precompile's artifacts read."""
+    convention = cap.convention
+    strides = _StridesByRole(convention, cap.graph.input_strides)
     return {
         "BACKEND": cap.backend,
-        "MODULE_POSITIONS": [module.position for module in cap.modules],
-        "NUM_POSITIONAL_ARGS": cap.num_positional_args,
-        "ARGUMENT_NAMES": cap.argument_names,
-        "MODULE_TRAINING": [module.training for module in cap.modules],
-        "MODULE_HOOKS": [module.hooks for module in cap.modules],
-        "GLOBAL_MODULE_HOOKS": cap.global_module_hooks,
-        "PYTHON_VALUES": [tuple(value) for value in cap.python_values],
-        **_state_constants(cap.params, cap.buffers),
-        "GRAD_PARAM_INDICES": cap.grad_param_indices,
-        "GRAD_RESETS": cap.grad_resets,
-        "IN_SPEC": cap.in_spec,
-        "OUT_SPEC": cap.out_spec,
-        "PYTREE_TYPES": cap.pytree_types,
-        **_user_input_constants(cap.leaves),
-        "INDEX_CHECKS": [tuple(check) for check in cap.index_checks],
-        "ALIASED_INPUTS": cap.aliased_inputs,
-        "MUTATED_INPUTS": cap.mutated_inputs,
+        "MODULE_POSITIONS": [module.position for module in convention.modules],
+        "NUM_POSITIONAL_ARGS": convention.num_positional_args,
+        "ARGUMENT_NAMES": convention.argument_names,
+        "MODULE_TRAINING": [module.training for module in convention.modules],
+        "MODULE_HOOKS": [module.hooks for module in convention.modules],
+        "GLOBAL_MODULE_HOOKS": convention.global_module_hooks,
+        "PYTHON_VALUES": [tuple(value) for value in convention.python_values],
+        **_state_constants(convention.params, convention.buffers, strides),
+        "GRAD_PARAM_INDICES": convention.grad_param_indices,
+        "GRAD_RESETS": convention.grad_resets,
+        "IN_SPEC": convention.in_spec,
+        "OUT_SPEC": convention.out_spec,
+        "PYTREE_TYPES": convention.pytree_types,
+        **_user_input_constants(convention.leaves, strides.leaves),
+        "INDEX_CHECKS": [tuple(check) for check in convention.index_checks],
+        "ALIASED_INPUTS": convention.aliased_inputs,
+        "MUTATED_INPUTS": convention.mutated_inputs,
         "DTENSORS": {
-            position: tuple(layout) for position, layout in cap.dtensors.items()
+            position: tuple(layout) for position, layout in convention.dtensors.items()
         },
         "SHARD_INPUTS": {
-            position: tuple(shard) for position, shard in cap.shard_inputs.items()
+            position: tuple(shard)
+            for position, shard in convention.shard_inputs.items()
         },
         "SHARD_OUTPUTS": {
-            position: tuple(shard) for position, shard in cap.shard_outputs.items()
+            position: tuple(shard)
+            for position, shard in convention.shard_outputs.items()
         },
-        "KERNEL_BINARIES": cap.kernel_binaries,
-        "KERNEL_SOURCES": cap.kernel_sources,
-        "OPTIMIZERS": _optimizer_constants(cap.optimizers),
-        "SCALAR_OUTPUTS": cap.scalar_outputs,
-        "PROCESS_GROUPS": cap.process_groups,
-        "DATA_PARALLEL": cap.data_parallel,
+        "KERNEL_BINARIES": cap.payload.kernel_binaries,
+        "KERNEL_SOURCES": cap.payload.kernel_sources,
+        "OPTIMIZERS": _optimizer_constants(
+            convention.optimizers, strides.optimizer_state
+        ),
+        "SCALAR_OUTPUTS": convention.scalar_outputs,
+        "PROCESS_GROUPS": convention.process_groups,
+        "DATA_PARALLEL": convention.data_parallel,
         "SPARSE_GRADIENTS": []
-        if cap.sparse_gradients is None
-        else cap.sparse_gradients.params,
+        if convention.sparse_gradients is None
+        else convention.sparse_gradients.params,
         "DEFERRED_STEPS": [
             {"position": step.position, "class": step.name, "params": step.params}
-            for step in cap.deferred_steps
+            for step in convention.deferred_steps
         ],
     }
 
 
+class _StridesByRole:
+    """The graph's ``input_strides`` split by the records they belong to."""
+
+    def __init__(self, convention: CallConvention, strides: Strides) -> None:
+        num_params = len(convention.params)
+        num_state = num_params + len(convention.buffers)
+        num_inputs = num_state + len(convention.leaves)
+        num_optimizer_state = sum(len(o.state) for o in convention.optimizers)
+        if len(strides) != num_inputs + num_optimizer_state:
+            raise ValueError(
+                f"the CompiledGraph has {len(strides)} input_strides, but its "
+                f"convention has {num_inputs + num_optimizer_state} graph inputs "
+                "before the lrs: one per parameter, buffer, input leaf and "
+                "optimizer state tensor."
+            )
+        self.params = strides[:num_params]
+        self.buffers = strides[num_params:num_state]
+        self.leaves = strides[num_state:num_inputs]
+        self.optimizer_state = strides[num_inputs:]
+
+
 def _state_constants(
-    params: list[StateTensor], buffers: list[StateTensor]
+    params: list[StateTensor], buffers: list[StateTensor], strides: _StridesByRole
 ) -> dict[str, object]:
     """The parameters' and buffers' aligned constants, in emission order."""
     return {
@@ -530,8 +587,8 @@ def _state_constants(
         "BUFFER_NAMES": [t.name for t in buffers],
         "PARAM_SHAPES": [t.shape for t in params],
         "BUFFER_SHAPES": [t.shape for t in buffers],
-        "PARAM_STRIDES": [t.stride for t in params],
-        "BUFFER_STRIDES": [t.stride for t in buffers],
+        "PARAM_STRIDES": strides.params,
+        "BUFFER_STRIDES": strides.buffers,
         "PARAM_DTYPES": [t.dtype for t in params],
         "BUFFER_DTYPES": [t.dtype for t in buffers],
         "PARAM_DEVICES": [t.device for t in params],
@@ -541,22 +598,25 @@ def _state_constants(
     }
 
 
-def _user_input_constants(leaves: list[InputLeaf]) -> dict[str, object]:
+def _user_input_constants(
+    leaves: list[InputLeaf], strides: Strides
+) -> dict[str, object]:
     """The user-input leaves' aligned constants, in emission order."""
     return {
         "USER_INPUT_SHAPES": [leaf.shape for leaf in leaves],
         "USER_INPUT_DTYPES": [leaf.dtype for leaf in leaves],
         "USER_INPUT_DEVICES": [leaf.device for leaf in leaves],
         "USER_INPUT_BOUNDS": [leaf.bounds for leaf in leaves],
-        "USER_INPUT_STRIDES": [leaf.stride for leaf in leaves],
+        "USER_INPUT_STRIDES": strides,
         "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
         "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
     }
 
 
 def _optimizer_constants(
-    optimizers: list[OptimizerArgument],
+    optimizers: list[OptimizerArgument], strides: Strides
 ) -> list[dict[str, object]]:
+    state_strides = iter(strides)
     return [
         {
             "position": optimizer.position,
@@ -572,7 +632,8 @@ def _optimizer_constants(
                 | ({"guards": g.guards} if g.guards else {})
                 for g in optimizer.groups
             ],
-            "state": [tuple(t) for t in optimizer.state],
+            # Each state tensor as (param, key, shape, dtype, device, stride).
+            "state": [(*t, next(state_strides)) for t in optimizer.state],
             # Absent where every key starts as zeros.
             **({"first_state": optimizer.first_state} if optimizer.first_state else {}),
         }

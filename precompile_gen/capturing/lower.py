@@ -21,8 +21,8 @@ from precompile_gen.capture_result import (
     CompiledGraph,
     ImportRewrite,
     KernelEntry,
-    OptimizerArgument,
-    StateTensor,
+    KernelPayload,
+    Strides,
     TensorLiteral,
 )
 from precompile_gen.capturing import data_parallel, update_order
@@ -38,69 +38,19 @@ _INDUCTOR_LOCK = kernel_binaries.TORCH_STATE_LOCK
 
 
 def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
-    """The capture as plain data: the graph as source text, and each graph input's
-    strides where the graph depends on them."""
-    out_spec = _dump_out_spec(traced.out_spec)
-    in_spec = _dump_in_spec(traced.in_spec)
+    """The capture as plain data: the convention as the trace recorded it, the graph
+    as source text with the strides it depends on, and its kernels' payload."""
     graph = _lower_graph(traced, backend)
-    strides = _input_strides(traced, backend, graph.source)
-    state = traced.state
-    num_state = len(state.tensors)
-    lifted = _state_tensors(traced, strides[:num_state])
     return CaptureResult(
         backend=backend,
-        fn_name=traced.fn_name,
-        num_positional_args=traced.num_positional_args,
-        argument_names=traced.argument_names,
-        modules=traced.modules,
-        global_module_hooks=traced.global_module_hooks,
-        python_values=traced.python_values,
-        optimizers=_optimizers_with_strides(
-            traced, strides[num_state + len(traced.leaves) :]
-        ),
-        params=lifted[: state.num_params],
-        buffers=lifted[state.num_params :],
-        grad_param_indices=traced.grad_param_indices,
-        grad_resets=traced.grad_resets,
-        sparse_gradients=traced.sparse_gradients,
-        deferred_steps=traced.deferred_steps,
-        in_spec=in_spec,
-        out_spec=out_spec,
-        in_structure=None
-        if in_spec is None
-        else pytree.treespec_pprint(traced.in_spec),
-        out_structure=pytree.treespec_pprint(traced.out_spec),
-        scalar_outputs=traced.scalar_outputs,
-        leaves=[
-            leaf._replace(stride=stride)
-            for leaf, stride in zip(
-                traced.leaves,
-                strides[num_state : num_state + len(traced.leaves)],
-                strict=True,
-            )
-        ],
-        aliased_inputs=traced.aliased_inputs,
-        process_groups=traced.process_groups,
-        data_parallel=traced.data_parallel,
-        dtensors=traced.dtensors,
-        shard_inputs=traced.shard_inputs,
-        shard_outputs=traced.shard_outputs,
-        pytree_types=traced.pytree_types,
-        mutated_inputs=traced.mutated_inputs,
-        index_checks=traced.index_checks,
+        convention=traced.convention,
         graph=_compiled_graph(traced, graph),
-        kernel_binaries=kernel_binaries.digests(graph.cache_artifact),
-        kernel_sources=graph.kernel_sources,
-        cache_artifact=graph.cache_artifact,
+        payload=KernelPayload(
+            kernel_binaries=kernel_binaries.digests(graph.cache_artifact),
+            kernel_sources=graph.kernel_sources,
+            cache_artifact=graph.cache_artifact,
+        ),
     )
-
-
-def _dump_in_spec(in_spec: pytree.TreeSpec) -> str | None:
-    try:
-        return pytree.treespec_dumps(in_spec)
-    except (NotImplementedError, TypeError):
-        # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
-        return None
 
 
 class _LoweredGraph(NamedTuple):
@@ -118,11 +68,14 @@ class _LoweredGraph(NamedTuple):
     triton_kernels: list[str]
     kernels: list[KernelEntry]
     emulate_precision_casts: bool = False
+    redefined_call: bool = False
 
 
 def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
     if backend == "eager":
-        source, imports, branches = _eager_graph(traced.gm, traced.input_names)
+        source, imports, branches = _eager_graph(
+            traced.gm, traced.convention.input_names
+        )
         return _LoweredGraph(source, imports, branches, None, {}, [], [], [], [])
     options = _inductor_options(traced)
     source, kernels = _inductor_graph(traced, options)
@@ -138,58 +91,8 @@ def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
         triton_kernels=kernels.triton_kernels,
         emulate_precision_casts=options.get("emulate_precision_casts") is True,
         kernels=inductor_module.kernels(source),
+        redefined_call=inductor_module.redefines_call(source),
     )
-
-
-def _input_strides(
-    traced: TracedGraph, backend: Backend, graph_source: str
-) -> list[tuple[int, ...] | None]:
-    """One per graph input before the lrs: the module state, the input leaves, then
-    the optimizers' state; on inductor, only where the compiled graph depends on
-    them."""
-    strides: list[tuple[int, ...] | None] = [
-        tuple(t.stride()) for t in traced.state.tensors
-    ] + [leaf.stride for leaf in traced.leaves]
-    strides += [t.stride for optimizer in traced.optimizers for t in optimizer.state]
-    if backend == "inductor":
-        strides = _layout_dependent(strides, graph_source, traced)
-    return strides
-
-
-def _state_tensors(
-    traced: TracedGraph, strides: list[tuple[int, ...] | None]
-) -> list[StateTensor]:
-    """The module state, parameters then buffers, as the driver checks it."""
-    state = traced.state
-    return [
-        StateTensor(
-            name=name,
-            shape=tuple(tensor.shape),
-            stride=stride,
-            dtype=str(tensor.dtype),
-            device=str(tensor.device),
-            requires_grad=tensor.requires_grad,
-        )
-        for name, tensor, stride in zip(
-            state.param_names + state.buffer_names,
-            state.tensors,
-            strides,
-            strict=True,
-        )
-    ]
-
-
-def _optimizers_with_strides(
-    traced: TracedGraph, strides: list[tuple[int, ...] | None]
-) -> list[OptimizerArgument]:
-    """The optimizer arguments, their state tensors given ``strides`` in order."""
-    optimizer_strides = iter(strides)
-    return [
-        optimizer._replace(
-            state=[t._replace(stride=next(optimizer_strides)) for t in optimizer.state]
-        )
-        for optimizer in traced.optimizers
-    ]
 
 
 def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
@@ -200,7 +103,9 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
             TensorLiteral(name, tensor.tolist(), str(tensor.dtype), str(tensor.device))
             for name, tensor in traced.constants
         ],
-        input_names=traced.input_names,
+        input_strides=_layout_dependent(
+            traced.example_strides, graph, traced.convention.mutated_inputs
+        ),
         imports=graph.imports,
         branches=graph.branches,
         rewritten_imports=graph.rewritten_imports,
@@ -208,36 +113,35 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
         triton_kernels=graph.triton_kernels,
         emulate_precision_casts=graph.emulate_precision_casts,
         kernels=graph.kernels,
+        redefined_call=graph.redefined_call,
     )
 
 
-# Inductor's wrapper unpacks its inputs as ``arg0_1, arg1_1, ... = args`` and, with
-# size_asserts, checks the layout of each one a kernel reads, just before that kernel:
-# ``assert_size_stride(arg3_1, ...)`` or ``assert_size_stride_grouped((arg1_1, ...),``.
-_UNPACKED_INPUTS = re.compile(r"^ +((?:arg\d+_1, )*arg\d+_1),? = args$", re.MULTILINE)
+# With size_asserts, Inductor's wrapper checks the layout of each input a kernel
+# reads, just before that kernel: ``assert_size_stride(arg3_1, ...)`` or
+# ``assert_size_stride_grouped((arg1_1, ...),``.
 _ASSERTED_INPUTS = re.compile(
     r"assert_size_stride\((arg\d+_1),|assert_size_stride_grouped\(\(([^)]*)\)"
 )
 
 
 def _layout_dependent(
-    strides: list[tuple[int, ...] | None], graph_source: str, traced: TracedGraph
-) -> list[tuple[int, ...] | None]:
-    """``strides`` (one per graph input before the literals) kept only where the
-    compiled graph depends on them: the inputs a kernel reads, which Inductor asserts,
-    and those the graph updates in place. An input used for its shape alone, or not
-    at all, may come in any layout. Where the wrapper's inputs are not the graph's
-    one to one (AOTAutograd merges aliased inputs), every input keeps its strides."""
-    names = _positional_names(graph_source, traced)
+    strides: Strides, graph: _LoweredGraph, mutated_inputs: list[int]
+) -> Strides:
+    """The example's ``strides`` kept only where the compiled graph depends on them:
+    on inductor, the inputs a kernel reads, which Inductor asserts, and those the
+    graph updates in place. An input used for its shape alone, or not at all, may
+    come in any layout. The eager graph, and an Inductor wrapper whose inputs are
+    not the graph's one to one (AOTAutograd merges aliased inputs), keep every
+    input's strides."""
+    names = graph.positional_names
     if not names:
         return strides
     asserted = set()
-    for single, grouped in _ASSERTED_INPUTS.findall(graph_source):
+    for single, grouped in _ASSERTED_INPUTS.findall(graph.source):
         asserted.update([single] if single else grouped.split(", "))
     return [
-        stride
-        if names[position] in asserted or position in traced.mutated_inputs
-        else None
+        stride if names[position] in asserted or position in mutated_inputs else None
         for position, stride in enumerate(strides)
     ]
 
@@ -246,26 +150,10 @@ def _positional_names(graph_source: str, traced: TracedGraph) -> list[str]:
     """The names Inductor's inner ``call`` unpacks its inputs into, where they are the
     graph's inputs one to one; empty where they are not (AOTAutograd merges aliased
     inputs)."""
-    unpacked = _UNPACKED_INPUTS.search(graph_source)
-    names = unpacked.group(1).split(", ") if unpacked else []
-    if traced.aliased_inputs or len(names) != len(traced.flat_args):
+    names = inductor_module.unpacked_inputs(graph_source)
+    if traced.convention.aliased_inputs or len(names) != len(traced.flat_args):
         return []
     return names
-
-
-def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
-    # The driver rebuilds the result from OUT_SPEC, so unlike IN_SPEC it is required.
-    try:
-        return pytree.treespec_dumps(out_spec)
-    except (NotImplementedError, TypeError) as error:
-        raise PrecompileError(
-            "the function's result has a structure that cannot be serialised into the "
-            f"artifact ({type(error).__name__}: {error}). This happens for a type "
-            "registered with torch.utils._pytree without a serialized_type_name, or "
-            "without a JSON-serialisable context. Return a tuple, list or dict of "
-            "tensors (namedtuples and dataclasses defined at module level work too), "
-            "or register the type with a serialized_type_name."
-        ) from error
 
 
 def _eager_graph(
@@ -402,7 +290,8 @@ def _inductor_options(traced: TracedGraph) -> dict[str, object]:
     # For a dynamic capture, scalar_asserts keeps the range checks on the unbacked
     # sizes inside the compiled graph.
     dynamic = any(
-        leaf.shape is not None and None in leaf.shape for leaf in traced.leaves
+        leaf.shape is not None and None in leaf.shape
+        for leaf in traced.convention.leaves
     )
     # fallback_random draws random numbers (dropout masks) with eager's own ops, in
     # the graph's order: Inductor's own RNG kernels draw them in the order its

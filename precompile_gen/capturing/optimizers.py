@@ -195,7 +195,6 @@ def _first_states(
                         tuple(tensor.shape),
                         str(tensor.dtype),
                         str(tensor.device),
-                        tuple(tensor.stride()),
                     )
                 )
                 tensors.append(tensor)

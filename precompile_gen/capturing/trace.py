@@ -30,9 +30,9 @@ from torch.nn.utils import stateless
 from precompile_gen.capture_result import (
     AliasGroup,
     Backend,
+    CallConvention,
     DeferredStep,
     DTensorLayout,
-    IndexCheck,
     InputLeaf,
     LeafValue,
     ModuleArgument,
@@ -40,9 +40,9 @@ from precompile_gen.capture_result import (
     ParamGroup,
     PythonValue,
     Shape,
-    ShardInput,
-    ShardOutput,
     SparseGradients,
+    StateTensor,
+    Strides,
     check_backend,
 )
 from precompile_gen.capturing import (
@@ -115,55 +115,23 @@ class ModuleState:
 
 @dataclass
 class TracedGraph:
-    """The captured graph and its calling convention (still holding torch objects)."""
+    """The captured graph, the tensors it was traced on, and its calling convention,
+    which the trace fills once and lowering passes on as it is."""
 
     gm: torch.fx.GraphModule
     # The tensors the graph was traced on, in graph-input order; lowering needs them.
     # In a capture with mark_unbacked dims they are fakes whose ShapeEnv holds the
     # dims' symbols and bounds, which Inductor compiles against.
     flat_args: list[object]
-    fn_name: str
-    num_positional_args: int
-    # The traced function's own name for each positional argument.
-    argument_names: list[str]
-    # The name of each graph input, in ``flat_args`` order (``graph_names``).
-    input_names: list[str]
-    modules: list[ModuleArgument]
-    global_module_hooks: dict[str, int]
-    python_values: list[PythonValue]
-    optimizers: list[OptimizerArgument]
-    state: ModuleState
-    aliased_inputs: list[AliasGroup]
-    # The DTensor graph inputs' mesh shapes and placements, by position.
-    dtensors: dict[int, DTensorLayout]
-    # With DTensors on the inductor backend: the shardings the graph, traced again
-    # on local shards, takes and returns (``dtensors.to_local_graph``).
-    shard_inputs: dict[int, ShardInput]
-    shard_outputs: dict[int, ShardOutput]
-    # Positions of the module state and input leaves fn updated in place.
-    mutated_inputs: list[int]
-    # The indices the graph takes from input leaves, with the range each must be in.
-    index_checks: list[IndexCheck]
     # The tensors fn created from Python data (torch.tensor(...)), by the name of the
     # graph input each became; they are the last inputs in ``flat_args``, after the
     # user-input leaves and the optimizers' state and lr tensors.
     constants: list[tuple[str, torch.Tensor]]
-    grad_param_indices: list[int]
-    # Positions among fn's flat outputs of the ``.item()`` values it returned.
-    scalar_outputs: list[int]
-    grad_resets: list[tuple[int, bool]]
-    sparse_gradients: SparseGradients | None
-    deferred_steps: list[DeferredStep]
-    in_spec: pytree.TreeSpec
-    out_spec: pytree.TreeSpec
-    # The namedtuple and dataclass types in the specs, by import path.
-    pytree_types: list[str]
-    # Strides as the example had them; lowering keeps those the graph depends on.
-    leaves: list[InputLeaf]
-    # The process groups the graph's collectives use, and each DDP argument's
-    # options (``data_parallel``): the driver holds each call to them.
-    process_groups: list[dict[str, object]]
-    data_parallel: list[dict[str, object]]
+    # The example's strides, one per graph input before the lrs (None for a
+    # non-tensor leaf or one with dynamic dims): lowering keeps those the compiled
+    # graph depends on.
+    example_strides: Strides
+    convention: CallConvention
 
 
 def _warn_of_hooks(
@@ -865,10 +833,21 @@ def _record(
     # From the graph on whole tensors, which the call's leaves are.
     names = state.param_names + state.buffer_names
     checks = index_checks.index_checks(gm, names, len(user.leaves))
+    example_strides = _example_strides(state, user, flat_args, inputs)
+    in_spec = _dump_in_spec(user.in_spec)
     if local is not None:
         gm, flat_args = local.gm, local.flat_args
-    return TracedGraph(
+    convention = CallConvention(
+        fn_name=call.fn_name,
+        num_positional_args=len(call.argument_names),
         argument_names=call.argument_names,
+        modules=_module_arguments(call, modes),
+        global_module_hooks=modes.global_hooks,
+        params=_state_tensors(state)[: state.num_params],
+        buffers=_state_tensors(state)[state.num_params :],
+        in_spec=in_spec,
+        in_structure=None if in_spec is None else pytree.treespec_pprint(user.in_spec),
+        leaves=_input_leaves(user),
         input_names=graph_names.graph_input_names(
             call.argument_names,
             state.param_names,
@@ -877,34 +856,82 @@ def _record(
             updates.optimizers,
             [name for name, _ in constants],
         ),
-        process_groups=data_parallel.process_groups(gm, call.modules),
-        data_parallel=_data_parallel_records(call),
-        gm=gm,
-        flat_args=flat_args,
-        fn_name=call.fn_name,
-        num_positional_args=len(call.argument_names),
-        modules=_module_arguments(call, modes),
-        global_module_hooks=modes.global_hooks,
+        aliased_inputs=inputs.aliased_inputs,
+        out_spec=_dump_out_spec(harvest.out_spec),
+        out_structure=pytree.treespec_pprint(harvest.out_spec),
+        grad_param_indices=harvest.grad_param_indices,
+        scalar_outputs=harvest.scalar_outputs,
         python_values=python_values,
         optimizers=updates.optimizers,
-        state=state,
-        aliased_inputs=inputs.aliased_inputs,
+        grad_resets=sorted(harvest.resets.items()),
+        process_groups=data_parallel.process_groups(gm, call.modules),
+        data_parallel=_data_parallel_records(call),
         dtensors=inputs.dtensor_layouts,
         shard_inputs={} if local is None else local.inputs,
         shard_outputs={} if local is None else local.outputs,
-        mutated_inputs=updates.mutated_inputs,
-        index_checks=checks,
-        constants=constants,
-        grad_param_indices=harvest.grad_param_indices,
-        scalar_outputs=harvest.scalar_outputs,
-        grad_resets=sorted(harvest.resets.items()),
         sparse_gradients=updates.sparse_gradients,
         deferred_steps=updates.deferred_steps,
-        in_spec=user.in_spec,
-        out_spec=harvest.out_spec,
         pytree_types=list(dict.fromkeys(user.input_types + harvest.pytree_types)),
-        leaves=_input_leaves(user),
+        mutated_inputs=updates.mutated_inputs,
+        index_checks=checks,
     )
+    return TracedGraph(gm, flat_args, constants, example_strides, convention)
+
+
+def _state_tensors(state: ModuleState) -> list[StateTensor]:
+    """The module state, parameters then buffers, as the driver checks it."""
+    return [
+        StateTensor(
+            name=name,
+            shape=tuple(tensor.shape),
+            dtype=str(tensor.dtype),
+            device=str(tensor.device),
+            requires_grad=tensor.requires_grad,
+        )
+        for name, tensor in zip(
+            state.param_names + state.buffer_names, state.tensors, strict=True
+        )
+    ]
+
+
+def _example_strides(
+    state: ModuleState, user: _UserLeaves, flat_args: list[object], inputs: _GraphInputs
+) -> Strides:
+    """Each graph input's strides before the lrs, as the example had them: the
+    module state, the user-input leaves (None for a non-tensor one or one with
+    dynamic dims), then the optimizers' state."""
+    strides: Strides = [tuple(tensor.stride()) for tensor in state.tensors]
+    strides += [
+        None if marked or not isinstance(leaf, torch.Tensor) else tuple(leaf.stride())
+        for leaf, marked in zip(user.leaves, user.marks, strict=True)
+    ]
+    for tensor in flat_args[inputs.state_start : inputs.lr_start]:
+        assert isinstance(tensor, torch.Tensor)
+        strides.append(tuple(tensor.stride()))
+    return strides
+
+
+def _dump_in_spec(in_spec: pytree.TreeSpec) -> str | None:
+    try:
+        return pytree.treespec_dumps(in_spec)
+    except (NotImplementedError, TypeError):
+        # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
+        return None
+
+
+def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
+    # The driver rebuilds the result from OUT_SPEC, so unlike IN_SPEC it is required.
+    try:
+        return pytree.treespec_dumps(out_spec)
+    except (NotImplementedError, TypeError) as error:
+        raise PrecompileError(
+            "the function's result has a structure that cannot be serialised into the "
+            f"artifact ({type(error).__name__}: {error}). This happens for a type "
+            "registered with torch.utils._pytree without a serialized_type_name, or "
+            "without a JSON-serialisable context. Return a tuple, list or dict of "
+            "tensors (namedtuples and dataclasses defined at module level work too), "
+            "or register the type with a serialized_type_name."
+        ) from error
 
 
 def _data_parallel_records(call: _Arguments) -> list[dict[str, object]]:
@@ -925,8 +952,7 @@ def _module_arguments(call: _Arguments, modes: _ModuleModes) -> list[ModuleArgum
 
 
 def _input_leaves(user: _UserLeaves) -> list[InputLeaf]:
-    """What the driver checks of each user-input leaf; strides as the example had
-    them, which lowering keeps where the graph depends on them."""
+    """What the driver checks of each user-input leaf."""
     return [
         InputLeaf(
             shape=_shape(leaf, marked),
@@ -934,9 +960,6 @@ def _input_leaves(user: _UserLeaves) -> list[InputLeaf]:
             device=_device(leaf),
             bounds=bounds,
             symbols=symbols,
-            stride=None
-            if marked or not isinstance(leaf, torch.Tensor)
-            else tuple(leaf.stride()),
             value=_leaf_value(leaf),
         )
         for leaf, marked, bounds, symbols in zip(

@@ -26,6 +26,22 @@ _ORIGINAL_ATEN = re.compile(
     r"# Topologically Sorted Source Nodes: .*Original ATen: \[(.*)\]$"
 )
 _CALL = re.compile(r"\s+(\w+)\(")
+# AOTAutograd's code binding Inductor's ``call``, and a top-level ``def call``.
+_INNER_CALL = re.compile(r"^_inner_call = call$", re.MULTILINE)
+_CALL_DEFINITION = re.compile(r"^def call\(", re.MULTILINE)
+
+
+def unpacked_inputs(source: str) -> list[str]:
+    """The names Inductor's inner ``call`` unpacks its inputs into, in order."""
+    unpacked = _UNPACKED_INPUTS.search(source)
+    return unpacked.group(2).split(", ") if unpacked else []
+
+
+def redefines_call(source: str) -> bool:
+    """Whether AOTAutograd's code binds Inductor's ``call`` as ``_inner_call`` and
+    then defines the ``call`` the driver runs around it."""
+    inner = _INNER_CALL.search(source)
+    return inner is not None and bool(_CALL_DEFINITION.search(source, inner.end()))
 
 
 def unpacked_one_per_line(source: str) -> str:

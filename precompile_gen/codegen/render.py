@@ -26,6 +26,7 @@ from pathlib import Path
 import jinja2
 
 from precompile_gen.capture_result import (
+    CallConvention,
     CaptureResult,
     ImportRewrite,
     InputLeaf,
@@ -379,60 +380,57 @@ class DriverFeatures:
 
 
 def driver_features(cap: CaptureResult) -> DriverFeatures:
-    user_positions = _user_positions(cap)
-    leaves = cap.leaves
+    conv = cap.convention
+    user_positions = _user_positions(conv)
+    leaves = conv.leaves
     inductor = cap.backend == "inductor"
+    num_state = len(conv.params) + len(conv.buffers)
+    strides = cap.graph.input_strides
+    leaf_strides = strides[num_state : num_state + len(leaves)]
+    state_strides = strides[:num_state] + strides[num_state + len(leaves) :]
     return DriverFeatures(
         compiled=inductor,
-        tensor_arguments=_flat_tuple_of_leaves(cap.in_spec, len(user_positions))
+        tensor_arguments=_flat_tuple_of_leaves(conv.in_spec, len(user_positions))
         and all(leaf.shape is not None for leaf in leaves),
         values=any(leaf.value is not None for leaf in leaves),
         dynamic_dims=any(leaf.bounds for leaf in leaves),
         shared_sizes=any(leaf.symbols for leaf in leaves),
-        pytree_types=bool(cap.pytree_types),
-        aliasing=bool(cap.aliased_inputs),
-        state_layouts=inductor
-        and any(
-            t.stride is not None
-            for t in [
-                *cap.params,
-                *cap.buffers,
-                *[t for optimizer in cap.optimizers for t in optimizer.state],
-            ]
-        ),
-        leaf_layouts=inductor and any(leaf.stride is not None for leaf in leaves),
-        gradients=bool(cap.grad_param_indices),
-        grad_resets=bool(cap.grad_resets),
-        optimizers=bool(cap.optimizers),
-        scalar_outputs=bool(cap.scalar_outputs),
-        process_groups=bool(cap.process_groups),
-        data_parallel=bool(cap.data_parallel),
-        dtensors=bool(cap.dtensors),
-        local_shards=bool(cap.shard_inputs),
-        sparse_gradients=cap.sparse_gradients is not None,
-        deferred_steps=bool(cap.deferred_steps),
-        index_checks=bool(cap.index_checks),
+        pytree_types=bool(conv.pytree_types),
+        aliasing=bool(conv.aliased_inputs),
+        state_layouts=inductor and any(stride is not None for stride in state_strides),
+        leaf_layouts=inductor and any(stride is not None for stride in leaf_strides),
+        gradients=bool(conv.grad_param_indices),
+        grad_resets=bool(conv.grad_resets),
+        optimizers=bool(conv.optimizers),
+        scalar_outputs=bool(conv.scalar_outputs),
+        process_groups=bool(conv.process_groups),
+        data_parallel=bool(conv.data_parallel),
+        dtensors=bool(conv.dtensors),
+        local_shards=bool(conv.shard_inputs),
+        sparse_gradients=conv.sparse_gradients is not None,
+        deferred_steps=bool(conv.deferred_steps),
+        index_checks=bool(conv.index_checks),
     )
 
 
-def _argument_kinds(cap: CaptureResult) -> list[str]:
+def _argument_kinds(conv: CallConvention) -> list[str]:
     """Each positional argument's kind: "module", "optimizer" or "input"."""
-    modules = {module.position for module in cap.modules}
+    modules = {module.position for module in conv.modules}
     optimizers = {
-        optimizer.position for optimizer in [*cap.optimizers, *cap.deferred_steps]
+        optimizer.position for optimizer in [*conv.optimizers, *conv.deferred_steps]
     }
     return [
         "module" if i in modules else "optimizer" if i in optimizers else "input"
-        for i in range(cap.num_positional_args)
+        for i in range(conv.num_positional_args)
     ]
 
 
-def _user_positions(cap: CaptureResult) -> list[int]:
-    return [i for i, kind in enumerate(_argument_kinds(cap)) if kind == "input"]
+def _user_positions(conv: CallConvention) -> list[int]:
+    return [i for i, kind in enumerate(_argument_kinds(conv)) if kind == "input"]
 
 
 @dataclass(frozen=True)
-class DriverConvention:
+class DriverSection:
     """What section 3 writes out for this capture: its convention beyond the
     metadata, and the text of forward()'s lines that differ between captures."""
 
@@ -450,9 +448,10 @@ class DriverConvention:
     state_checks: list[str]
 
 
-def driver_convention(cap: CaptureResult, features: DriverFeatures) -> DriverConvention:
-    names = ", ".join(cap.argument_names)
-    call = f"{_identifier_text(cap.fn_name)}({names})"
+def driver_section(cap: CaptureResult, features: DriverFeatures) -> DriverSection:
+    conv = cap.convention
+    names = ", ".join(conv.argument_names)
+    call = f"{_identifier_text(conv.fn_name)}({names})"
     outcomes = ["Returns the function's result"]
     if features.gradients:
         outcomes.append("gradients it computed are added to the model's .grad fields")
@@ -469,10 +468,10 @@ def driver_convention(cap: CaptureResult, features: DriverFeatures) -> DriverCon
         *(["*optimizer_inputs"] if features.optimizers else []),
         *(["*TENSOR_LITERALS"] if cap.graph.tensor_literals else []),
     ]
-    return DriverConvention(
+    return DriverSection(
         call=call,
-        user_positions=_user_positions(cap),
-        signature=", ".join(_argument_kinds(cap)),
+        user_positions=_user_positions(conv),
+        signature=", ".join(_argument_kinds(conv)),
         docstring=docstring(text, indent=4),
         graph_inputs="[" + ", ".join(["*state.tensors", "*leaves", *extra]) + "]",
         state_checks=[
@@ -540,12 +539,12 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
         if rewrite.original != inductor_imports.AUTOTUNING_BLOCK
     ]
     stand_ins = {rewrite.stand_in for rewrite in rewritten}
-    names = graph.input_names
+    names = cap.convention.input_names
     roles = _input_roles(cap)
     if len(names) != len(roles):
         raise ValueError(
             f"the CaptureResult names {len(names)} graph inputs "
-            f"(graph.input_names), but its records make {len(roles)}: one per "
+            f"(convention.input_names), but its records make {len(roles)}: one per "
             "parameter, buffer, input leaf, optimizer state tensor, lr, values "
             "tensor and tensor literal."
         )
@@ -573,7 +572,7 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
                 *comment_lines(_kernel_entry(kernel), lead=6),
             ]
         ],
-        redefined_call="\ndef call(flat_inputs):  # noqa: F811" in graph.source,
+        redefined_call=graph.redefined_call,
         input_rows=input_rows,
         tensor_rows=_tensor_rows(cap),
     )
@@ -602,21 +601,22 @@ def _import_blocks(imports: list[str]) -> list[list[str]]:
 
 def _input_roles(cap: CaptureResult) -> list[str]:
     """What each graph input is, in graph-input order."""
-    params = [t.name for t in cap.params]
+    conv = cap.convention
+    params = [t.name for t in conv.params]
     roles = [f"parameter {name}" for name in params]
-    roles += [f"buffer {t.name}" for t in cap.buffers]
-    roles += [f"input leaf {i}" for i in range(len(cap.leaves))]
-    for optimizer in cap.optimizers:
+    roles += [f"buffer {t.name}" for t in conv.buffers]
+    roles += [f"input leaf {i}" for i in range(len(conv.leaves))]
+    for optimizer in conv.optimizers:
         roles += [
             f"argument {optimizer.position}: state {t.key!r} of {params[t.param]}"
             for t in optimizer.state
         ]
-    for optimizer in cap.optimizers:
+    for optimizer in conv.optimizers:
         roles += [
             f"argument {optimizer.position}: lr of param group {g}"
             for g in range(len(optimizer.groups))
         ]
-    for optimizer in cap.optimizers:
+    for optimizer in conv.optimizers:
         roles += [
             f"argument {optimizer.position}: values of param group {g} "
             f"({', '.join(_value_name(*entry) for entry in group.values)})"
@@ -632,38 +632,51 @@ def _value_name(key: str, index: int | None) -> str:
 
 
 def _tensor_rows(cap: CaptureResult) -> list[list[str]]:
-    names = cap.graph.input_names
-    state = [*cap.params, *cap.buffers]
+    conv = cap.convention
+    names = conv.input_names
+    state = [*conv.params, *conv.buffers]
     num_state = len(state)
-    leaf_names = names[num_state : num_state + len(cap.leaves)]
+    num_inputs = num_state + len(conv.leaves)
+    strides = cap.graph.input_strides
     return [
         ["input", "name", "shape", "stride", "dtype", "device", "requires grad"],
         *(
-            _state_row(name, tensor)
-            for name, tensor in zip(names[:num_state], state, strict=True)
+            _state_row(name, tensor, stride)
+            for name, tensor, stride in zip(
+                names[:num_state], state, strides[:num_state], strict=True
+            )
         ),
         *(
-            _leaf_row(name, index, leaf)
-            for index, (name, leaf) in enumerate(
-                zip(leaf_names, cap.leaves, strict=True)
+            _leaf_row(name, index, leaf, stride)
+            for index, (name, leaf, stride) in enumerate(
+                zip(
+                    names[num_state:num_inputs],
+                    conv.leaves,
+                    strides[num_state:num_inputs],
+                    strict=True,
+                )
             )
         ),
     ]
 
 
-def _state_row(name: str, tensor: StateTensor) -> list[str]:
+def _state_row(
+    name: str, tensor: StateTensor, stride: tuple[int, ...] | None
+) -> list[str]:
     return [
         name,
         tensor.name,
         _tuple_text(tensor.shape),
-        _stride_text(tensor.stride),
+        _stride_text(stride),
         tensor.dtype.removeprefix("torch."),
         tensor.device,
         "yes" if tensor.requires_grad else "no",
     ]
 
 
-def _leaf_row(name: str, index: int, leaf: InputLeaf) -> list[str]:
+def _leaf_row(
+    name: str, index: int, leaf: InputLeaf, stride: tuple[int, ...] | None
+) -> list[str]:
     if leaf.shape is None:
         value = "-" if leaf.value is None else f"= {leaf.value!r}"
         return [name, f"input leaf {index}", value, "-", "-", "-", "-"]
@@ -677,7 +690,7 @@ def _leaf_row(name: str, index: int, leaf: InputLeaf) -> list[str]:
         name,
         f"input leaf {index}",
         _tuple_text(tuple(shape)),
-        _stride_text(leaf.stride),
+        _stride_text(stride),
         (leaf.dtype or "-").removeprefix("torch."),
         leaf.device or "-",
         "-",
@@ -724,7 +737,8 @@ def render_skeleton(cap: CaptureResult) -> str:
             cap=cap,
             metadata=metadata_constants(cap),
             features=features,
-            convention=driver_convention(cap, features),
+            convention=cap.convention,
+            driver=driver_section(cap, features),
             graph=graph_features(cap),
             graph_marker=GRAPH_MARKER,
             runtime_support=support,

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from precompile_gen.capture_result import (
     BACKENDS,
     Backend,
+    CallConvention,
     CaptureResult,
     CompiledGraph,
     DeferredStep,
@@ -23,6 +25,7 @@ from precompile_gen.capture_result import (
     ImportRewrite,
     IndexCheck,
     InputLeaf,
+    KernelPayload,
     ModuleArgument,
     OptimizerArgument,
     OptimizerStateTensor,
@@ -141,53 +144,60 @@ def stub_capture(backend: Backend) -> CaptureResult:
     eager = backend == "eager"
     return CaptureResult(
         backend=backend,
-        fn_name="train_step",
-        num_positional_args=2,
-        argument_names=["model", "x"],
-        modules=[ModuleArgument(position=0, training=[True], hooks={})],
-        global_module_hooks={},
-        python_values=[],
-        optimizers=[],
-        params=[
-            StateTensor("weight", (4, 4), (4, 1), "torch.float32", "cpu", True),
-        ],
-        buffers=[
-            StateTensor("running_mean", (4,), (1,), "torch.float32", "cpu", False),
-        ],
-        grad_param_indices=[0],
-        grad_resets=[(0, True)],
-        in_spec=_INPUT_SPEC,
-        out_spec=_FLAT_SPEC,
-        in_structure="(*,)",
-        out_structure="*",
-        scalar_outputs=[0],
-        leaves=[
-            InputLeaf(
-                shape=(None, 4),
-                dtype="torch.float32",
-                device="cpu",
-                bounds={0: (1, 64)},
-                symbols={0: "u0"},
-                stride=None,
-                value=None,
-            )
-        ],
-        aliased_inputs=[{1: (0, (1,)), 2: (4, (4, 1))}],
+        convention=CallConvention(
+            fn_name="train_step",
+            num_positional_args=2,
+            argument_names=["model", "x"],
+            modules=[ModuleArgument(position=0, training=[True], hooks={})],
+            global_module_hooks={},
+            params=[StateTensor("weight", (4, 4), "torch.float32", "cpu", True)],
+            buffers=[StateTensor("running_mean", (4,), "torch.float32", "cpu", False)],
+            in_spec=_INPUT_SPEC,
+            in_structure="(*,)",
+            leaves=[
+                InputLeaf(
+                    shape=(None, 4),
+                    dtype="torch.float32",
+                    device="cpu",
+                    bounds={0: (1, 64)},
+                    symbols={0: "u0"},
+                    value=None,
+                )
+            ],
+            input_names=_INPUT_NAMES,
+            aliased_inputs=[{1: (0, (1,)), 2: (4, (4, 1))}],
+            out_spec=_FLAT_SPEC,
+            out_structure="*",
+            grad_param_indices=[0],
+            scalar_outputs=[0],
+            python_values=[],
+            optimizers=[],
+            grad_resets=[(0, True)],
+        ),
         graph=CompiledGraph(
             source=_GRAPH_STUBS[backend],
             tensor_literals=[
                 TensorLiteral("literal0", [0.5, float("-inf")], "torch.float32", "cpu")
             ],
-            input_names=_INPUT_NAMES,
+            input_strides=[(4, 1), (1,), None],
             imports=_EAGER_GRAPH_IMPORTS if eager else [],
             branches=["true_graph_0"] if eager else [],
             rewritten_imports=[] if eager else _REWRITTEN_IMPORTS,
             positional_names=[] if eager else _positional_names(len(_INPUT_NAMES)),
             triton_kernels=[] if eager else ["triton_poi_fused_0"],
+            # Covers the graph section's note on AOTAutograd's `call`.
+            redefined_call=not eager,
         ),
-        kernel_binaries={_BINARY: "0" * 64},
-        kernel_sources={"1" * 64: _BINARY},
-        cache_artifact=None,
+        payload=KernelPayload(
+            kernel_binaries={_BINARY: "0" * 64}, kernel_sources={"1" * 64: _BINARY}
+        ),
+    )
+
+
+def replace_convention(cap: CaptureResult, **changes: Any) -> CaptureResult:
+    """``cap`` with ``changes`` made to its convention."""
+    return dataclasses.replace(
+        cap, convention=dataclasses.replace(cap.convention, **changes)
     )
 
 
@@ -196,8 +206,9 @@ def all_features_capture(backend: Backend) -> CaptureResult:
     two module arguments, an optimizer, a nested input (an input leaf in a fixed
     layout and a scalar besides) too."""
     stub = stub_capture(backend)
-    capture = dataclasses.replace(
-        stub,
+    conv = stub.convention
+    capture = replace_convention(
+        dataclasses.replace(stub, graph=_all_features_graph(stub.graph)),
         num_positional_args=5,
         argument_names=["encoder", "x", "head", "extras", "opt"],
         python_values=[
@@ -205,22 +216,32 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             PythonValue("global SCALE (module __main__)", "1.0"),
         ],
         modules=[
-            *stub.modules,
+            *conv.modules,
             ModuleArgument(
                 position=2, training=[False], hooks={"": {"forward pre-hook": 1}}
             ),
         ],
         optimizers=[_all_features_optimizer()],
-        params=[stub.params[0]._replace(name="m0.weight")],
-        buffers=[stub.buffers[0]._replace(name="m0.running_mean")],
+        params=[conv.params[0]._replace(name="m0.weight")],
+        buffers=[conv.buffers[0]._replace(name="m0.running_mean")],
         leaves=[
-            *stub.leaves,
-            InputLeaf((2, 4), "torch.float32", "cpu", None, None, (4, 1), None),
-            InputLeaf(None, None, None, None, None, None, 0.5),
+            *conv.leaves,
+            InputLeaf((2, 4), "torch.float32", "cpu", None, None, None),
+            InputLeaf(None, None, None, None, None, 0.5),
+        ],
+        input_names=[
+            "p_m0_weight",
+            "b_m0_running_mean",
+            "x",
+            "extras_x",
+            "extras_scale",
+            "opt_m0_weight_momentum_buffer",
+            "opt_group0_lr",
+            "opt_group0_values",
+            "literal0",
         ],
         in_spec=_NESTED_INPUT_SPEC,
         in_structure="(*, {'x': *, 'scale': *})",
-        graph=_all_features_graph(stub.graph),
         pytree_types=["inspect:FullArgSpec"],
         mutated_inputs=[1, 3],
         sparse_gradients=SparseGradients(
@@ -261,29 +282,18 @@ def _all_features_optimizer() -> OptimizerArgument:
         ],
         steps=True,
         state=[
-            OptimizerStateTensor(
-                0, "momentum_buffer", (4, 4), "torch.float32", "cpu", (4, 1)
-            ),
+            OptimizerStateTensor(0, "momentum_buffer", (4, 4), "torch.float32", "cpu"),
         ],
         first_state={},
     )
 
 
 def _all_features_graph(graph: CompiledGraph) -> CompiledGraph:
-    # AOTAutograd merged aliased inputs: Inductor's are not the graph's.
+    # AOTAutograd merged aliased inputs: Inductor's are not the graph's. The
+    # strides: the state, the leaves (one in a fixed layout), the momentum buffer.
     return dataclasses.replace(
         graph,
-        input_names=[
-            "p_m0_weight",
-            "b_m0_running_mean",
-            "x",
-            "extras_x",
-            "extras_scale",
-            "opt_m0_weight_momentum_buffer",
-            "opt_group0_lr",
-            "opt_group0_values",
-            "literal0",
-        ],
+        input_strides=[(4, 1), (1,), None, (4, 1), None, (4, 1)],
         positional_names=[],
     )
 
@@ -293,7 +303,7 @@ def _distributed(capture: CaptureResult) -> CaptureResult:
     # The eager backend replays DTensor ops (``on_shards_capture``: unless traced on
     # the local shards); inductor computes on shards.
     eager = capture.backend == "eager"
-    return dataclasses.replace(
+    return replace_convention(
         capture,
         process_groups=[{"name": "0", "backend": "gloo", "ranks": [0, 1]}],
         data_parallel=[
@@ -323,7 +333,7 @@ _SHARD_OUTPUTS = {0: ShardOutput(("Partial(sum)",), (2, 4), (4, 1))}
 def on_shards_capture(backend: Backend) -> CaptureResult:
     """``all_features_capture`` traced on the local shards, as a fully_shard model's
     step is on either backend."""
-    return dataclasses.replace(
+    return replace_convention(
         all_features_capture(backend),
         shard_inputs=_SHARD_INPUTS,
         shard_outputs=_SHARD_OUTPUTS,
@@ -334,22 +344,23 @@ def no_features_capture(backend: Backend) -> CaptureResult:
     """An inference capture with every driver feature off: one module, one plain
     tensor input, nothing shared, marked or laid out."""
     stub = stub_capture(backend)
-    return dataclasses.replace(
-        stub,
-        params=[stub.params[0]._replace(stride=None, requires_grad=False)],
-        buffers=[stub.buffers[0]._replace(stride=None)],
+    conv = stub.convention
+    graph = dataclasses.replace(
+        stub.graph,
+        tensor_literals=[],
+        input_strides=[None, None, None],
+        branches=[],
+        positional_names=[] if backend == "eager" else _positional_names(3),
+    )
+    return replace_convention(
+        dataclasses.replace(stub, graph=graph),
+        params=[conv.params[0]._replace(requires_grad=False)],
         grad_param_indices=[],
         grad_resets=[],
         scalar_outputs=[],
-        leaves=[stub.leaves[0]._replace(shape=(2, 4), bounds=None, symbols=None)],
+        leaves=[conv.leaves[0]._replace(shape=(2, 4), bounds=None, symbols=None)],
+        input_names=_INPUT_NAMES[:3],
         aliased_inputs=[],
-        graph=dataclasses.replace(
-            stub.graph,
-            tensor_literals=[],
-            branches=[],
-            input_names=_INPUT_NAMES[:3],
-            positional_names=[] if backend == "eager" else _positional_names(3),
-        ),
     )
 
 

@@ -218,8 +218,11 @@ def test_shared_shape_id_is_one_symbol() -> None:
     assert isinstance(x_size, torch.SymInt) and isinstance(y_size, torch.SymInt)
     assert x_size.node.expr == y_size.node.expr
     symbol = str(x_size.node.expr)
-    assert [leaf.symbols for leaf in traced.leaves] == [{0: symbol}, {0: symbol}]
-    assert [leaf.shape for leaf in traced.leaves] == [(None, 4), (None, 4)]
+    assert [leaf.symbols for leaf in traced.convention.leaves] == [
+        {0: symbol},
+        {0: symbol},
+    ]
+    assert [leaf.shape for leaf in traced.convention.leaves] == [(None, 4), (None, 4)]
 
 
 def test_hint_override_reaches_the_shape_env() -> None:
@@ -254,8 +257,8 @@ def test_strict_and_negative_dim_marks_are_honoured() -> None:
     x = randn(3, 4, seed=0)
     mark_unbacked(x, -1, strict=True)
     traced = trace(lambda m, x: m(x.t()), (nn.Linear(3, 2), x), backend="inductor")
-    assert [leaf.shape for leaf in traced.leaves] == [(3, None)]
-    assert [leaf.bounds for leaf in traced.leaves] == [None]
+    assert [leaf.shape for leaf in traced.convention.leaves] == [(3, None)]
+    assert [leaf.bounds for leaf in traced.convention.leaves] == [None]
 
 
 # --- capture-time rejections ------------------------------------------------------

@@ -5,7 +5,6 @@ computes."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import keyword
 import re
@@ -16,7 +15,7 @@ from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.capturing.graph_names import argument_names
-from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.codegen.stubs import replace_convention, stub_capture
 from precompile_gen.tools.inspection import inspect_artifact
 
 
@@ -53,7 +52,7 @@ def test_eager_graph_takes_its_inputs_under_the_conventions_names() -> None:
         in cap.graph.source
     )
     assert "flat_" not in cap.graph.source
-    assert cap.graph.input_names == [
+    assert cap.convention.input_names == [
         "p_0_weight",
         "p_0_bias",
         "p_2_weight",
@@ -66,7 +65,7 @@ def test_buffers_and_input_leaves_are_named_by_their_paths() -> None:
     batch = {"input_ids": torch.randn(2, 4), "mask": torch.randn(2, 3)}
     xs = [torch.randn(2, 3), torch.randn(2, 3)]
     cap = pg.capture(encode, Normed().eval(), batch, xs, backend="eager")
-    assert cap.graph.input_names == [
+    assert cap.convention.input_names == [
         "p_lin_weight",
         "p_lin_bias",
         "p_bn_weight",
@@ -79,7 +78,7 @@ def test_buffers_and_input_leaves_are_named_by_their_paths() -> None:
         "xs_0",
         "xs_1",
     ]
-    assert cap.argument_names == ["model", "batch", "xs"]
+    assert cap.convention.argument_names == ["model", "batch", "xs"]
     forward = pg.load(
         *pg.precompile(encode, Normed().eval(), batch, xs, backend="eager")
     )
@@ -122,7 +121,7 @@ def test_names_that_clash_run_the_graph_as_eager_does(name: str) -> None:
         {key: torch.randn(3, 2) for key in ("class", "a b", "1x", "torch")},
     )
     cap = pg.capture(fn, model, *args, backend="eager")  # type: ignore[arg-type]
-    names = cap.graph.input_names
+    names = cap.convention.input_names
     assert len(set(names)) == len(names)
     for input_name in names:
         assert input_name.isidentifier() and not keyword.iskeyword(input_name)
@@ -136,7 +135,7 @@ def test_names_that_clash_run_the_graph_as_eager_does(name: str) -> None:
         "extras_1x",
         "extras_torch",
     ]
-    assert cap.argument_names[1] == name
+    assert cap.convention.argument_names[1] == name
     namespace: dict[str, object] = {}
     exec(compile(pg.render_artifact(cap), "<artifact>", "exec"), namespace)
     forward = namespace["forward"]
@@ -194,7 +193,7 @@ def test_a_star_args_function_names_its_leaves_by_position() -> None:
     cap = pg.capture(
         step, _mlp(), torch.randn(3, 4), torch.randn(3, 2), backend="eager"
     )
-    assert cap.graph.input_names[-2:] == ["tensors_0", "tensors_1"]
+    assert cap.convention.input_names[-2:] == ["tensors_0", "tensors_1"]
     code = pg.render_artifact(cap)
     assert inspect_artifact(code)["signature"] == (
         "step(model: nn.Module, tensors_0, tensors_1)"
@@ -203,9 +202,7 @@ def test_a_star_args_function_names_its_leaves_by_position() -> None:
 
 def test_a_capture_naming_too_few_inputs_is_refused_at_render() -> None:
     stub = stub_capture("eager")
-    names = stub.graph.input_names[:-1]
-    cap = dataclasses.replace(
-        stub, graph=dataclasses.replace(stub.graph, input_names=names)
-    )
+    names = stub.convention.input_names[:-1]
+    cap = replace_convention(stub, input_names=names)
     with pytest.raises(ValueError, match=r"names 3 graph inputs .* records make 4"):
         pg.render_artifact(cap)

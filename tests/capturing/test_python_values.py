@@ -77,7 +77,7 @@ def loaded(request: pytest.FixtureRequest) -> Callable[..., object]:
 
 def test_the_values_read_are_recorded_with_their_paths() -> None:
     cap = pg.capture(scaled, Scaled(), example(), backend="eager")
-    values = dict(cap.python_values)
+    values = dict(cap.convention.python_values)
     assert values == {
         "argument 0: .config.dtype": "torch.float32",
         "argument 0: .config.output_scaled": "True",
@@ -186,7 +186,7 @@ def test_a_global_of_the_code_fn_calls_is_checked() -> None:
 
     model, x = nn.Linear(4, 4), example()
     cap = pg.capture(step, model, x, backend="eager")
-    assert ("global FACTOR (module pv_library)", "2.0") in cap.python_values
+    assert ("global FACTOR (module pv_library)", "2.0") in cap.convention.python_values
     loaded = pg.load(pg.render_artifact(cap), b"")
     torch.testing.assert_close(loaded(model, x), step(model, x))
     vars(library)["FACTOR"] = 5.0
@@ -238,7 +238,7 @@ def test_the_functions_own_closure_is_recorded_and_named_at_capture(
 
     with caplog.at_level(logging.WARNING):
         cap = pg.capture(step, nn.Linear(4, 4), example(), backend="eager")
-    assert ("closure variable scale of step", "3.0") in cap.python_values
+    assert ("closure variable scale of step", "3.0") in cap.convention.python_values
     assert "closure variable scale of step" in caplog.text
     assert "Pass them as arguments" in caplog.text
 
@@ -364,7 +364,7 @@ def test_an_optimizers_own_state_is_not_an_effect() -> None:
         return loss.detach()
 
     cap = pg.capture(step, model, opt, example(), backend="eager")
-    assert cap.optimizers
+    assert cap.convention.optimizers
 
 
 def test_each_capture_of_one_function_records_its_values() -> None:
@@ -378,8 +378,11 @@ def test_each_capture_of_one_function_records_its_values() -> None:
     for _ in range(3):
         model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))
         cap = pg.capture(step, model, example(), backend="eager")
-        assert ("argument 0: .1.p", "0.0") in cap.python_values
-        assert (f"global SCALE (module {__name__})", "1.0") in cap.python_values
+        assert ("argument 0: .1.p", "0.0") in cap.convention.python_values
+        assert (
+            f"global SCALE (module {__name__})",
+            "1.0",
+        ) in cap.convention.python_values
 
 
 def test_a_transformers_model_records_what_its_forward_reads() -> None:

@@ -243,7 +243,7 @@ def test_nothing_runs_runtime_support_before_it_is_defined(backend: Backend) -> 
         after = [s for s in module.body if s.lineno >= runtime.first_line]
         only_later = _defined_names(after) - _defined_names(before)
         assert "_remember" in only_later
-        if cap.optimizers:
+        if cap.convention.optimizers:
             assert "_OptimizerArguments" in only_later
         for statement in before:
             read = _import_time_names(statement) & only_later
@@ -278,7 +278,7 @@ def test_inductor_golden_splices_the_graph_verbatim() -> None:
     cap = inductor_inference()
     text = pg.render_artifact(cap)
     assert cap.graph.source.strip("\n") in text
-    names = [param.name for param in cap.params]
+    names = [param.name for param in cap.convention.params]
     assert pg.parse_metadata(text)["PARAM_NAMES"] == names
 
 

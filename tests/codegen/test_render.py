@@ -29,7 +29,7 @@ from precompile_gen.codegen.render import (
     format_python,
     render_skeleton,
 )
-from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 
 def large_capture(backend: Backend) -> pg.CaptureResult:
@@ -51,25 +51,25 @@ def large_capture(backend: Backend) -> pg.CaptureResult:
     input_names = [f"p_layers_{i}_weight" for i in range(300)]
     input_names += ["p_it_s", "p_say_hi_", "p_both_and_", "p_back_slash", "p_caf_"]
     input_names += ["p_" + "x" * 100, "b_running_mean", "x", "y", "z", "literal0"]
-    return dataclasses.replace(
-        stub,
+    graph = dataclasses.replace(
+        stub.graph,
+        # The state's, the buffer's, then the three leaves'.
+        input_strides=[*[(16, 1)] * count, (1,), None, None, None],
+        positional_names=[f"arg{i}_1" for i in range(len(input_names))]
+        if backend == "inductor"
+        else [],
+    )
+    return replace_convention(
+        dataclasses.replace(stub, graph=graph),
         fn_name="large",
-        graph=dataclasses.replace(
-            stub.graph,
-            input_names=input_names,
-            positional_names=[f"arg{i}_1" for i in range(len(input_names))]
-            if backend == "inductor"
-            else [],
-        ),
+        input_names=input_names,
         params=[
-            StateTensor(name, (16, 16), (16, 1), "torch.float32", "cpu", i % 3 != 0)
+            StateTensor(name, (16, 16), "torch.float32", "cpu", i % 3 != 0)
             for i, name in enumerate(names)
         ],
         grad_param_indices=[i for i in range(count) if i % 3 != 0],
         leaves=[
-            InputLeaf(
-                (None, 4), "torch.float32", "cpu", {0: (1, 64)}, {0: "u0"}, None, None
-            ),
+            InputLeaf((None, 4), "torch.float32", "cpu", {0: (1, 64)}, {0: "u0"}, None),
             InputLeaf(
                 (None, None, 8),
                 "torch.bfloat16",
@@ -77,9 +77,8 @@ def large_capture(backend: Backend) -> pg.CaptureResult:
                 {1: (None, 9), 0: (2, None)},
                 {0: "u0", 1: "u1"},
                 None,
-                None,
             ),
-            InputLeaf(None, None, None, None, None, None, "caf\u00e9 'q' \"q\""),
+            InputLeaf(None, None, None, None, None, "caf\u00e9 'q' \"q\""),
         ],
     )
 
@@ -193,10 +192,7 @@ def test_graph_is_spliced_verbatim_with_one_copy(padding: str) -> None:
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_function_name_cannot_inject_code_through_the_header(backend: Backend) -> None:
     # The name lands in a comment; a line break in it must not end the comment.
-    cap = dataclasses.replace(
-        stub_capture(backend),
-        fn_name="f\nINJECTED = 1\r\u2028x",
-    )
+    cap = replace_convention(stub_capture(backend), fn_name="f\nINJECTED = 1\r\u2028x")
     code = pg.render_artifact(cap)
     first_line = code.split("\n", 1)[0]
     assert "`f\\nINJECTED = 1\\r\\u2028x`" in first_line
@@ -214,5 +210,12 @@ def test_metadata_constants_come_from_the_records_in_emission_order() -> None:
     cap = stub_capture("inductor")
     constants = metadata_constants(cap)
     assert tuple(constants) == METADATA_NAMES
-    assert constants["PARAM_NAMES"] == [param.name for param in cap.params]
-    assert constants["USER_INPUT_SYMBOLS"] == [leaf.symbols for leaf in cap.leaves]
+    conv = cap.convention
+    assert constants["PARAM_NAMES"] == [param.name for param in conv.params]
+    assert constants["USER_INPUT_SYMBOLS"] == [leaf.symbols for leaf in conv.leaves]
+    # The strides are the graph's, split by the records they belong to.
+    assert [
+        *constants["PARAM_STRIDES"],  # type: ignore[not-iterable]
+        *constants["BUFFER_STRIDES"],  # type: ignore[not-iterable]
+        *constants["USER_INPUT_STRIDES"],  # type: ignore[not-iterable]
+    ] == cap.graph.input_strides

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 
 def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -133,10 +133,9 @@ def _stub_forward(call_body: str) -> object:
     """The inductor driver around a stand-in ``call`` that runs ``call_body``."""
     graph = f"def call(flat_inputs: list[object]) -> list[object]:\n    {call_body}\n"
     stub = stub_capture("inductor")
-    cap = dataclasses.replace(
-        stub,
-        graph=dataclasses.replace(stub.graph, source=graph),
-        leaves=[stub.leaves[0]._replace(shape=(2, 4), bounds=None)],
+    cap = replace_convention(
+        dataclasses.replace(stub, graph=dataclasses.replace(stub.graph, source=graph)),
+        leaves=[stub.convention.leaves[0]._replace(shape=(2, 4), bounds=None)],
         grad_param_indices=[],
         aliased_inputs=[],
     )

@@ -23,14 +23,17 @@ from torch import nn
 import precompile_gen as pg
 from helpers import triton_programs
 from precompile_gen.capture_result import (
+    CallConvention,
     CompiledGraph,
     InputLeaf,
+    KernelPayload,
     ModuleArgument,
     StateTensor,
 )
 from precompile_gen.capturing import lower
 from precompile_gen.codegen import inductor_imports, inductor_module, render
 from precompile_gen.codegen.sections import sections_by_key
+from precompile_gen.codegen.stubs import replace_convention
 from precompile_gen.runtime import kernel_binaries
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
@@ -169,46 +172,49 @@ def _canned_inductor(
     input_names = [f"p_{name.replace('.', '_')}" for name, _, _ in weights] + ["x"]
     return pg.CaptureResult(
         backend="inductor",
-        fn_name="predict",
-        num_positional_args=2,
-        argument_names=["model", "x"],
-        modules=[ModuleArgument(position=0, training=[True] * modules, hooks={})],
-        global_module_hooks={},
-        python_values=[],
-        optimizers=[],
-        params=[
-            StateTensor(name, shape, stride, "torch.float32", "cpu", True)
-            for name, shape, stride in weights
-        ],
-        buffers=[],
-        grad_param_indices=[],
-        grad_resets=[],
-        in_spec=(
-            '[1, {"type": "builtins.tuple", "context": "null", "children_spec": '
-            f"[{_LEAF}]}}]"
+        convention=CallConvention(
+            fn_name="predict",
+            num_positional_args=2,
+            argument_names=["model", "x"],
+            modules=[ModuleArgument(position=0, training=[True] * modules, hooks={})],
+            global_module_hooks={},
+            params=[
+                StateTensor(name, shape, "torch.float32", "cpu", True)
+                for name, shape, _ in weights
+            ],
+            buffers=[],
+            in_spec=(
+                '[1, {"type": "builtins.tuple", "context": "null", "children_spec": '
+                f"[{_LEAF}]}}]"
+            ),
+            in_structure="(*,)",
+            leaves=[_input_leaf((3, 4))],
+            input_names=input_names,
+            aliased_inputs=[],
+            out_spec=f"[1, {_LEAF}]",
+            out_structure="*",
+            grad_param_indices=[],
+            scalar_outputs=[],
+            python_values=[],
+            optimizers=[],
+            grad_resets=[],
         ),
-        out_spec=f"[1, {_LEAF}]",
-        in_structure="(*,)",
-        out_structure="*",
-        scalar_outputs=[],
-        leaves=[_input_leaf((3, 4))],
-        aliased_inputs=[],
         graph=CompiledGraph(
             # As lowering lays out a live module, which it reads first.
             source=inductor_module.unpacked_one_per_line(source),
             tensor_literals=[],
-            input_names=input_names,
+            # Every weight's, and the (3, 4) input's.
+            input_strides=[stride for _, _, stride in weights] + [(4, 1)],
             imports=[],
             branches=[],
             rewritten_imports=rewritten_imports,
             positional_names=[f"arg{index}_1" for index in range(len(input_names))],
             triton_kernels=_TRITON_KERNEL.findall(source),
             kernels=inductor_module.kernels(source),
+            redefined_call=inductor_module.redefines_call(source),
         ),
         # The canned graph's kernels are not compiled here: nothing is pinned.
-        kernel_binaries={},
-        kernel_sources={},
-        cache_artifact=None,
+        payload=KernelPayload(),
     )
 
 
@@ -234,9 +240,11 @@ def inductor_triton_train_step() -> pg.CaptureResult:
     with mock.patch.object(lower, "_inductor_graph", return_value=(canned, scanned)):
         cap = pg.capture(program.fn, *program.arguments(), backend="inductor")
     # The canned module is the traced graph's: it unpacks one input per graph input.
-    assert len(cap.graph.positional_names) == len(cap.graph.input_names)
+    assert len(cap.graph.positional_names) == len(cap.convention.input_names)
     # The cache is not rendered, and the golden pins no binary.
-    return dataclasses.replace(cap, cache_artifact=None)
+    return dataclasses.replace(
+        cap, payload=dataclasses.replace(cap.payload, cache_artifact=None)
+    )
 
 
 def _input_leaf(shape: Shape) -> InputLeaf:
@@ -246,7 +254,6 @@ def _input_leaf(shape: Shape) -> InputLeaf:
         device="cpu",
         bounds=None,
         symbols=None,
-        stride=(shape[1], 1),
         value=None,
     )
 
@@ -303,10 +310,14 @@ def inductor_dynamic_dims() -> pg.CaptureResult:
     max=64)``), written out by hand around the same canned module: only the driver
     and metadata are pinned here."""
     cap = inductor_inference()
-    leaf = cap.leaves[0]._replace(
-        shape=(None, 4), bounds={0: (2, 64)}, symbols={0: "u0"}, stride=None
+    leaf = cap.convention.leaves[0]._replace(
+        shape=(None, 4), bounds={0: (2, 64)}, symbols={0: "u0"}
     )
-    return dataclasses.replace(cap, leaves=[leaf])
+    # A leaf with a dynamic dim comes in any layout.
+    graph = dataclasses.replace(
+        cap.graph, input_strides=[*cap.graph.input_strides[:-1], None]
+    )
+    return replace_convention(dataclasses.replace(cap, graph=graph), leaves=[leaf])
 
 
 @dataclasses.dataclass

@@ -7,14 +7,19 @@ import dataclasses
 
 import precompile_gen as pg
 from precompile_gen.capture_result import InputLeaf, ModuleArgument, StateTensor
-from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 
 def hand_built_capture() -> pg.CaptureResult:
     """A capture no tracer made: dicts and non-ASCII text exercise the literal
     renderer's ordering and escaping."""
-    return dataclasses.replace(
-        stub_capture("eager"),
+    stub = stub_capture("eager")
+    # The strides: the two parameters', the buffer's, then the two leaves'.
+    graph = dataclasses.replace(
+        stub.graph, input_strides=[(4, 1), (1,), (1,), None, None]
+    )
+    return replace_convention(
+        dataclasses.replace(stub, graph=graph),
         fn_name="hand_built",
         num_positional_args=3,
         modules=[
@@ -22,8 +27,8 @@ def hand_built_capture() -> pg.CaptureResult:
             ModuleArgument(2, [False, True], {"1": {"forward hook": 2}}),
         ],
         params=[
-            StateTensor("m0.w\u00e9ight", (4, 4), (4, 1), "torch.float32", "cpu", True),
-            StateTensor("m1.bias", (4,), (1,), "torch.bfloat16", "cpu", True),
+            StateTensor("m0.w\u00e9ight", (4, 4), "torch.float32", "cpu", True),
+            StateTensor("m1.bias", (4,), "torch.bfloat16", "cpu", True),
         ],
         grad_param_indices=[1],
         leaves=[
@@ -34,12 +39,8 @@ def hand_built_capture() -> pg.CaptureResult:
                 {1: (None, 9), 0: (1, 64)},
                 {0: "u0"},
                 None,
-                None,
             ),
-            InputLeaf(None, None, None, None, None, None, 0.1),
+            InputLeaf(None, None, None, None, None, 0.1),
         ],
-        graph=dataclasses.replace(
-            stub_capture("eager").graph,
-            input_names=["p_m0_w", "p_m1_bias", "b_running_mean", "x", "y", "lit0"],
-        ),
+        input_names=["p_m0_w", "p_m1_bias", "b_running_mean", "x", "y", "lit0"],
     )

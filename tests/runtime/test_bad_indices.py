@@ -67,7 +67,7 @@ def test_a_bad_token_id_is_refused_and_the_next_steps_match_eager(
 def test_a_capture_records_the_indices_it_takes_from_its_inputs() -> None:
     # The ids are embedded without their last column, and the loss's targets are
     # the ids without their first.
-    embedded, targets = eager_index_checks().index_checks
+    embedded, targets = eager_index_checks().convention.index_checks
     assert embedded.sources == (0,)
     assert embedded.steps == (("slice.Tensor", ({"leaf": 0}, 1, 0, -1), {}),)
     assert (embedded.low, embedded.high, embedded.allowed) == (0, 10, None)
@@ -86,7 +86,9 @@ def test_each_index_is_held_to_the_range_eager_allows() -> None:
     table = torch.randn(5, 3)
     rows, columns = torch.tensor([0, 3]), torch.tensor([[0, 2]])
     cap = pg.capture(_lookups, table, rows, columns, backend="eager")
-    checks = {(c.sources, bool(c.steps), c.low, c.high) for c in cap.index_checks}
+    checks = {
+        (c.sources, bool(c.steps), c.low, c.high) for c in cap.convention.index_checks
+    }
     # rows, and rows + 1 which the driver computes as the graph does.
     assert checks == {((1,), False, -5, 5), ((1,), True, -5, 5), ((2,), False, 0, 3)}
     forward = pg.load(pg.render_artifact(cap), None)

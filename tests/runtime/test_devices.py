@@ -8,7 +8,6 @@ artifact is refused at load, and, executed on its own, at its first call.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import precompile_gen as pg
 from precompile_gen.capture_result import CaptureResult
-from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 NO_CUDA = pytest.mark.skipif(
     torch.cuda.is_available(), reason="needs a machine without CUDA"
@@ -50,11 +49,11 @@ def on_cuda(cap: CaptureResult, *, state: bool = True, leaves: bool = True) -> s
         return [t._replace(device="cuda:0") if move else t for t in tensors]
 
     return pg.render_artifact(
-        dataclasses.replace(
+        replace_convention(
             cap,
-            params=moved(cap.params, state),
-            buffers=moved(cap.buffers, state),
-            leaves=moved(cap.leaves, leaves),
+            params=moved(cap.convention.params, state),
+            buffers=moved(cap.convention.buffers, state),
+            leaves=moved(cap.convention.leaves, leaves),
         )
     )
 

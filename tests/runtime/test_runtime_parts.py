@@ -25,11 +25,11 @@ def executed(cap: pg.CaptureResult) -> dict[str, Any]:
     """The parts ``cap``'s artifact carries, executed after its metadata and its
     section 3 constants, as in the artifact (sections 1 and 3's code left out)."""
     features = render.driver_features(cap)
-    convention = render.driver_convention(cap, features)
+    driver = render.driver_section(cap, features)
     namespace: dict[str, Any] = {
         **metadata_constants(cap),
-        "_USER_POSITIONS": convention.user_positions,
-        "_SIGNATURE": convention.signature,
+        "_USER_POSITIONS": driver.user_positions,
+        "_SIGNATURE": driver.signature,
         "_TENSOR_ARGUMENTS": features.tensor_arguments,
     }
     text = render.runtime_support(render.runtime_parts(features))

@@ -20,6 +20,7 @@ from helpers.linear_step import example_input, linear_model, train_step
 from torch import nn
 
 import precompile_gen as pg
+from precompile_gen.capture_result import KernelPayload
 from precompile_gen.codegen.stubs import stub_capture
 from precompile_gen.runtime import cache as cache_module
 from precompile_gen.runtime import kernel_binaries
@@ -200,7 +201,9 @@ def _stub_inductor_pair(key: bytes | None) -> tuple[str, dict[str, object], byte
     # The artifact pins the one binary its cache carries.
     pinned = {name: hashlib.sha256(b"\x7fELF binary").hexdigest()}
     code = pg.render_artifact(
-        dataclasses.replace(stub_capture("inductor"), kernel_binaries=pinned)
+        dataclasses.replace(
+            stub_capture("inductor"), payload=KernelPayload(kernel_binaries=pinned)
+        )
     )
     payload: dict[str, object] = {
         "kind": kernel_binaries.PAYLOAD_KIND,

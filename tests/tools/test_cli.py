@@ -27,7 +27,7 @@ from helpers.golden import full_artifact
 from precompile_gen.capture_result import InputLeaf
 from precompile_gen.codegen.render import render_artifact
 from precompile_gen.codegen.sections import sections_by_key
-from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.codegen.stubs import replace_convention, stub_capture
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import build_cache
 from precompile_gen.runtime.load import parse_artifact
@@ -392,19 +392,16 @@ def call(flat_inputs):
 
 def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
     stub = stub_capture("inductor")
-    cap = dataclasses.replace(
-        stub,
-        graph=dataclasses.replace(
-            stub.graph,
-            input_names=["p_weight", "b_running_mean", "x", "y", "literal0"],
-            positional_names=[],
-        ),
+    graph = dataclasses.replace(
+        stub.graph, input_strides=[(4, 1), (1,), None, None], positional_names=[]
+    )
+    cap = replace_convention(
+        dataclasses.replace(stub, graph=graph),
+        input_names=["p_weight", "b_running_mean", "x", "y", "literal0"],
         leaves=[
+            InputLeaf((None, 4), "torch.float32", "cpu", {0: (2, 64)}, {0: "u0"}, None),
             InputLeaf(
-                (None, 4), "torch.float32", "cpu", {0: (2, 64)}, {0: "u0"}, None, None
-            ),
-            InputLeaf(
-                (None,), "torch.int64", "cpu", {0: (None, None)}, {0: "u0"}, None, None
+                (None,), "torch.int64", "cpu", {0: (None, None)}, {0: "u0"}, None
             ),
         ],
         in_spec=None,
