@@ -27,7 +27,7 @@ from precompile_gen.capture_result import (
 )
 from precompile_gen.capturing import data_parallel, update_order
 from precompile_gen.capturing.trace import TracedGraph
-from precompile_gen.codegen import inductor_imports, inductor_module
+from precompile_gen.codegen import inductor_imports, inductor_module, layout
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.errors import PrecompileError
 from precompile_gen.tools import timings
@@ -210,13 +210,16 @@ def _parameters_one_per_line(code: str) -> str:
     """fx's function with its signature one parameter a line, where it is longer
     than a line: a large model's runs to thousands of characters."""
     signature, newline, body = code.partition("\n")
-    if len(signature) <= inductor_module.LINE_LENGTH:
+    if len(signature) <= layout.LINE_LENGTH:
         return code
     header = ast.parse(signature + "\n    pass").body[0]
     assert isinstance(header, ast.FunctionDef)
     parameters = [ast.unparse(argument) for argument in header.args.args]
-    lines = [f"def {header.name}(", *(f"    {p}," for p in parameters), "):"]
-    return "\n".join(lines) + newline + body
+    return (
+        layout.one_per_line(f"def {header.name}(", parameters, "):", "")
+        + newline
+        + body
+    )
 
 
 def _branch_sources(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:

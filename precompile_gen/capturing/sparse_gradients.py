@@ -417,7 +417,7 @@ def _reject_sparse_values(graph: torch.fx.Graph, module: str) -> None:
 
 
 def _tail_source(tail: _Tail, roots: list[torch.fx.Node]) -> str:
-    from precompile_gen.codegen.render import format_python
+    from precompile_gen.codegen.layout import format_python
 
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}

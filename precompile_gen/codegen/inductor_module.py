@@ -14,9 +14,8 @@ from __future__ import annotations
 import re
 
 from precompile_gen.capture_result import KernelEntry
+from precompile_gen.codegen.layout import LINE_LENGTH, one_per_line
 
-# Black's line length, which the artifact's own code keeps to.
-LINE_LENGTH = 88
 # Inductor's inner ``call`` unpacks its inputs so.
 _UNPACKED_INPUTS = re.compile(r"^( +)((?:arg\d+_1, )*arg\d+_1),? = args$", re.MULTILINE)
 # A kernel, as Inductor's module defines it at its top level.
@@ -51,9 +50,9 @@ def unpacked_one_per_line(source: str) -> str:
     def wrapped(match: re.Match[str]) -> str:
         indent, names = match.group(1), match.group(2).split(", ")
         if len(match.group(0)) <= LINE_LENGTH:
+            # As Inductor wrote it (a lone name keeps its trailing comma).
             return match.group(0)
-        lines = [f"{indent}(", *(f"{indent}    {name}," for name in names)]
-        return "\n".join([*lines, f"{indent}) = args"])
+        return one_per_line("(", names, ") = args", indent)
 
     return _UNPACKED_INPUTS.sub(wrapped, source)
 

@@ -1,5 +1,6 @@
 """What lowering reads from, and lays out in, Inductor's module: its kernels with
-their ATen ops and sizes, and long signature lines one name a line."""
+their ATen ops and sizes, its inputs' names, whether AOTAutograd redefines ``call``,
+and long signature lines one name a line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.capture_result import KernelEntry
-from precompile_gen.codegen import inductor_module
+from precompile_gen.codegen import inductor_module, layout
 
 
 def test_the_kernels_of_a_module_of_triton_kernels() -> None:
@@ -74,10 +75,30 @@ def test_a_long_eager_graph_signature_is_one_parameter_a_line() -> None:
     lines = cap.graph.source.splitlines()
     assert lines[0] == "def _graph_forward("
     assert lines[1:4] == ["    self,", "    p_0_weight,", "    p_0_bias,"]
-    assert max(map(len, lines[: lines.index("):")])) <= inductor_module.LINE_LENGTH
+    assert max(map(len, lines[: lines.index("):")])) <= layout.LINE_LENGTH
     namespace: dict[str, object] = {}
     exec(pg.render_artifact(cap), namespace)
     forward = namespace["forward"]
     assert callable(forward)
     x = torch.randn(1, 2)
     torch.testing.assert_close(forward(model, x), model(x))
+
+
+def test_the_inputs_names_and_the_redefined_call_are_read_from_the_module() -> None:
+    source = (FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8")
+    assert inductor_module.unpacked_inputs(source) == [f"arg{i}_1" for i in range(5)]
+    # AOTAutograd's code binds Inductor's call as _inner_call and defines the call
+    # the driver runs; Inductor's module alone does not.
+    assert inductor_module.redefines_call(source)
+    inner = source[: source.index("_inner_call = call")]
+    assert not inductor_module.redefines_call(inner)
+    assert inductor_module.unpacked_inputs("def call(args):\n    pass\n") == []
+
+
+def test_one_per_line_keeps_a_line_that_fits_and_splits_one_that_does_not() -> None:
+    assert layout.one_per_line("f(", ["a", "b"], ")", "    ") == "    f(a, b)"
+    names = [f"name_{i}" for i in range(20)]
+    split = layout.one_per_line("def f(", names, "):", "").splitlines()
+    assert split == ["def f(", *(f"    {name}," for name in names), "):"]
+    text = "\n".join(split) + "\n    pass\n"
+    assert layout.format_python(text) == text

@@ -19,7 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from precompile_gen.codegen.render import literal
+from precompile_gen.codegen.layout import literal
 
 
 def typed(value: object) -> object:

@@ -23,12 +23,8 @@ from precompile_gen.capture_result import (
     StateTensor,
     metadata_constants,
 )
-from precompile_gen.codegen.render import (
-    GRAPH_MARKER,
-    assignment,
-    format_python,
-    render_skeleton,
-)
+from precompile_gen.codegen.layout import assignment, format_python
+from precompile_gen.codegen.render import GRAPH_MARKER, render_skeleton
 from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 

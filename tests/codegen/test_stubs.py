@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 from precompile_gen.capture_result import BACKENDS
+from precompile_gen.codegen.layout import format_python
 from precompile_gen.codegen.render import (
     RUNTIME_PARTS,
     DriverFeatures,
     driver_features,
     environment,
-    format_python,
 )
 from precompile_gen.codegen.stubs import STUBS
 from precompile_gen.tools.cli import main
