@@ -833,7 +833,7 @@ def _record(
     # From the graph on whole tensors, which the call's leaves are.
     names = state.param_names + state.buffer_names
     checks = index_checks.index_checks(gm, names, len(user.leaves))
-    example_strides = _example_strides(state, user, flat_args, inputs)
+    example_strides = _example_strides(state, user, flat_args, updates.optimizers)
     in_spec = _dump_in_spec(user.in_spec)
     if local is not None:
         gm, flat_args = local.gm, local.flat_args
@@ -895,17 +895,22 @@ def _state_tensors(state: ModuleState) -> list[StateTensor]:
 
 
 def _example_strides(
-    state: ModuleState, user: _UserLeaves, flat_args: list[object], inputs: _GraphInputs
+    state: ModuleState,
+    user: _UserLeaves,
+    flat_args: list[object],
+    optimizer_arguments: list[OptimizerArgument],
 ) -> Strides:
     """Each graph input's strides before the lrs, as the example had them: the
     module state, the user-input leaves (None for a non-tensor one or one with
-    dynamic dims), then the optimizers' state."""
+    dynamic dims), then the optimizers' state the graph kept."""
     strides: Strides = [tuple(tensor.stride()) for tensor in state.tensors]
     strides += [
         None if marked or not isinstance(leaf, torch.Tensor) else tuple(leaf.stride())
         for leaf, marked in zip(user.leaves, user.marks, strict=True)
     ]
-    for tensor in flat_args[inputs.state_start : inputs.lr_start]:
+    start = len(strides)
+    count = sum(len(optimizer.state) for optimizer in optimizer_arguments)
+    for tensor in flat_args[start : start + count]:
         assert isinstance(tensor, torch.Tensor)
         strides.append(tuple(tensor.stride()))
     return strides
