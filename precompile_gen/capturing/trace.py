@@ -848,14 +848,7 @@ def _record(
         in_spec=in_spec,
         in_structure=None if in_spec is None else pytree.treespec_pprint(user.in_spec),
         leaves=_input_leaves(user),
-        input_names=graph_names.graph_input_names(
-            call.argument_names,
-            state.param_names,
-            state.buffer_names,
-            list(zip(call.user_positions, call.user_inputs, strict=True)),
-            updates.optimizers,
-            [name for name, _ in constants],
-        ),
+        input_names=_input_names(call, state, updates, constants),
         aliased_inputs=inputs.aliased_inputs,
         out_spec=_dump_out_spec(harvest.out_spec),
         out_structure=pytree.treespec_pprint(harvest.out_spec),
@@ -876,6 +869,23 @@ def _record(
         index_checks=checks,
     )
     return TracedGraph(gm, flat_args, constants, example_strides, convention)
+
+
+def _input_names(
+    call: _Arguments,
+    state: ModuleState,
+    updates: _Updates,
+    constants: list[tuple[str, torch.Tensor]],
+) -> list[str]:
+    """Each graph input's name (``graph_names``), in graph-input order."""
+    return graph_names.graph_input_names(
+        call.argument_names,
+        state.param_names,
+        state.buffer_names,
+        list(zip(call.user_positions, call.user_inputs, strict=True)),
+        updates.optimizers,
+        [name for name, _ in constants],
+    )
 
 
 def _state_tensors(state: ModuleState) -> list[StateTensor]:

@@ -67,6 +67,7 @@ RUNTIME_PARTS: dict[str, str] = {
     "support": RUNTIME_SUPPORT,
     "pytree_types": "runtime/pytree_types.py",
     "gradients": "runtime/gradients.py",
+    "dict_inputs": "runtime/dict_inputs.py",
     "calls": "runtime/calls.py",
     "dtensors": "runtime/dtensors.py",
     "layouts": "runtime/layouts.py",
@@ -88,6 +89,7 @@ def runtime_parts(features: DriverFeatures) -> tuple[str, ...]:
         "support": True,
         "pytree_types": features.pytree_types,
         "gradients": features.gradients or features.grad_resets,
+        "dict_inputs": features.dict_inputs,
         "calls": True,
         "dtensors": features.dtensors,
         "layouts": features.layouts,
@@ -168,6 +170,8 @@ class DriverFeatures:
     shared_sizes: bool
     # Namedtuple and dataclass types the specs name, imported when loaded.
     pytree_types: bool
+    # Dicts among the inputs, which a call may pass with their keys in another order.
+    dict_inputs: bool
     # Inputs that shared a storage at capture.
     aliasing: bool
     # Inductor's strides, on the module state and on the input leaves.
@@ -216,6 +220,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         dynamic_dims=any(leaf.bounds for leaf in leaves),
         shared_sizes=any(leaf.symbols for leaf in leaves),
         pytree_types=bool(conv.pytree_types),
+        dict_inputs=_holds_dicts(conv.in_spec),
         aliasing=bool(conv.aliased_inputs),
         state_layouts=inductor and any(stride is not None for stride in state_strides),
         leaf_layouts=inductor and any(stride is not None for stride in leaf_strides),
@@ -512,6 +517,21 @@ def _stride_text(stride: tuple[int, ...] | None) -> str:
 
 def _tuple_text(values: tuple[object, ...]) -> str:
     return "(" + ", ".join(map(str, values)) + ("," if len(values) == 1 else "") + ")"
+
+
+def _holds_dicts(in_spec: str | None) -> bool:
+    """Whether ``in_spec`` (``treespec_dumps``' JSON) has a dict node anywhere, as
+    the runtime's TreeSpec of it would."""
+    if in_spec is None:
+        return False
+    _, root = json.loads(in_spec)
+    nodes = [root]
+    while nodes:
+        node = nodes.pop()
+        if node.get("type") == "builtins.dict":
+            return True
+        nodes += node.get("children_spec", [])
+    return False
 
 
 def _flat_tuple_of_leaves(in_spec: str | None, count: int) -> bool:

@@ -202,6 +202,21 @@ def replace_convention(cap: CaptureResult, **changes: Any) -> CaptureResult:
     )
 
 
+# The all-features capture's graph inputs: the state, the three leaves, the
+# optimizer's momentum buffer, lr and values, and the literal.
+_ALL_FEATURES_INPUT_NAMES = [
+    "p_m0_weight",
+    "b_m0_running_mean",
+    "x",
+    "extras_x",
+    "extras_scale",
+    "opt_m0_weight_momentum_buffer",
+    "opt_group0_lr",
+    "opt_group0_values",
+    "literal0",
+]
+
+
 def all_features_capture(backend: Backend) -> CaptureResult:
     """``stub_capture`` with every driver feature on (``render.DriverFeatures``):
     two module arguments, an optimizer, a nested input (an input leaf in a fixed
@@ -230,17 +245,7 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             InputLeaf((2, 4), "torch.float32", "cpu", None, None, None),
             InputLeaf(None, None, None, None, None, 0.5),
         ],
-        input_names=[
-            "p_m0_weight",
-            "b_m0_running_mean",
-            "x",
-            "extras_x",
-            "extras_scale",
-            "opt_m0_weight_momentum_buffer",
-            "opt_group0_lr",
-            "opt_group0_values",
-            "literal0",
-        ],
+        input_names=_ALL_FEATURES_INPUT_NAMES,
         in_spec=_NESTED_INPUT_SPEC,
         in_structure="(*, {'x': *, 'scale': *})",
         pytree_types=["inspect:FullArgSpec"],

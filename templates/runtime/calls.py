@@ -49,7 +49,6 @@ from templates.runtime.support import (
     _inference_write_problem,
     _keywords_message,
     _leaf_count_message,
-    _listed,
     _mode_and_hook_problem,
     _nesting_message,
     _newly_shared,
@@ -76,7 +75,6 @@ from templates.runtime.support import (
 # OPTIMIZERS, PYTREE_TYPES, ...); these parts look them up by name.
 import reprlib
 import sys
-import warnings
 
 _IN_SPEC: pytree.TreeSpec | None = (
     None if IN_SPEC is None else pytree.treespec_loads(IN_SPEC)
@@ -98,13 +96,16 @@ _DTENSOR_POSITIONS: dict[int, Any] = globals().get("DTENSORS", {})
 # optimizer state or DTensors, whose shapes it specialises on.
 _MARKABLE_DIMS: bool = not (globals().get("OPTIMIZERS") or _DTENSOR_POSITIONS)
 
-
-def _holds_dicts(spec: pytree.TreeSpec) -> bool:
-    return spec.type is dict or any(map(_holds_dicts, spec.children()))
-
-
-# Dicts among the inputs, whose keys a call may pass in another order.
-_DICT_INPUTS: bool = _IN_SPEC is not None and _holds_dicts(_IN_SPEC)
+# Dicts among the inputs, whose keys a call may pass in another order: the artifacts
+# whose inputs hold dicts carry the dict_inputs part, which takes them by key. Its
+# functions, None in the other artifacts: the inputs with each dict's keys in the
+# example's order, and their leaves and spec so.
+_IN_EXAMPLE_ORDER: Callable[[tuple[object, ...]], tuple[object, ...]] | None = (
+    globals().get("_in_example_order")
+)
+_FLATTEN_IN_EXAMPLE_ORDER: (
+    Callable[[tuple[object, ...]], tuple[list[object], pytree.TreeSpec]] | None
+) = globals().get("_flatten_in_example_order")
 
 # Each leaf's shape, dtype and device as a matching tensor reports them, so that such
 # a leaf costs one comparison; None where only the full check will do (a DTensor
@@ -162,9 +163,9 @@ def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
     if _TENSOR_ARGUMENTS:
         # Each leaf is an argument of its own.
         return _argument(_USER_POSITIONS[leaf_index], ARGUMENT_NAMES)
-    if _DICT_INPUTS:
+    if _IN_EXAMPLE_ORDER is not None:
         # Named in the order the leaves were taken in: the example's.
-        user_inputs = _in_example_order(user_inputs)
+        user_inputs = _IN_EXAMPLE_ORDER(user_inputs)
     return leaf_names(_USER_POSITIONS, ARGUMENT_NAMES, user_inputs)[leaf_index]
 
 
@@ -206,8 +207,8 @@ def _flattened(user_inputs: tuple[object, ...]) -> list[object]:
     # The leaves of inputs that nest, or of tensors passed where the example had
     # other values, in the example's structure.
     leaves, spec = pytree.tree_flatten(user_inputs)
-    if _DICT_INPUTS and spec != _IN_SPEC:
-        leaves, spec = _flatten_in_example_order(user_inputs)
+    if _FLATTEN_IN_EXAMPLE_ORDER is not None and spec != _IN_SPEC:
+        leaves, spec = _FLATTEN_IN_EXAMPLE_ORDER(user_inputs)
     if _IN_SPEC is not None and spec != _IN_SPEC:
         _fail(_nesting_message(spec, _IN_SPEC))
     if len(leaves) != len(USER_INPUT_SHAPES):
@@ -443,85 +444,3 @@ def _with_numbers(flat_outputs: list[Any], scalar_outputs: list[int]) -> list[An
     for index in scalar_outputs:
         results[index] = cast(torch.Tensor, results[index]).item()
     return results
-
-
-# --- Dicts in another key order -----------------------------------------------------
-# Whether a call's dict has come in another key order yet, which is said once.
-_reordered_once = False
-
-
-def _in_example_order(user_inputs: tuple[object, ...]) -> tuple[object, ...]:
-    """The inputs with each dict's keys in the order of the example's, in which the
-    graph takes their values; a dict with other keys than the example's is refused."""
-    assert _IN_SPEC is not None
-    specs = _IN_SPEC.children()
-    if len(specs) != len(user_inputs):
-        return user_inputs
-    return tuple(
-        _reordered(argument, spec, position, "")
-        for argument, spec, position in zip(user_inputs, specs, _USER_POSITIONS)
-    )
-
-
-def _reordered(tree: object, spec: pytree.TreeSpec, position: int, path: str) -> object:
-    if spec.is_leaf() or pytree.tree_is_leaf(tree):
-        return tree
-    if spec.type is dict and type(tree) is dict:
-        keys = cast(list[object], spec.context)
-        if tree.keys() != set(keys):
-            where = _argument(position, ARGUMENT_NAMES, path)
-            _fail(_keys_message(where, list(tree), keys))
-        return {
-            key: _reordered(tree[key], child, position, f"{path}[{key!r}]")
-            for key, child in zip(keys, spec.children())
-        }
-    node = pytree.SUPPORTED_NODES[pytree._get_node_type(tree)]
-    children, context = node.flatten_fn(tree)
-    if node.type is not spec.type or len(children) != spec.num_children:
-        return tree  # another structure, which the caller reports
-    keys = (
-        [pytree.keystr((key,)) for key, _ in node.flatten_with_keys_fn(tree)[0]]
-        if node.flatten_with_keys_fn is not None
-        else [f"[{index}]" for index in range(len(children))]
-    )
-    return node.unflatten_fn(
-        [
-            _reordered(child, child_spec, position, path + key)
-            for child, child_spec, key in zip(children, spec.children(), keys)
-        ],
-        context,
-    )
-
-
-def _keys_message(where: str, got: list[object], expected: list[object]) -> str:
-    missing = [key for key in expected if key not in got]
-    extra = [key for key in got if key not in expected]
-    differences = [f"lacks the key(s) {_listed(missing)}"] if missing else []
-    if extra:
-        differences.append(
-            f"has the key(s) {_listed(extra)}, which the example did not"
-        )
-    return (
-        f"{where} {' and '.join(differences)}: a dict input matches the example's by "
-        "key, in any order, and the graph was traced for the keys "
-        f"{_listed(expected)}. Pass a dict with exactly those keys, or capture again "
-        "with these."
-    )
-
-
-def _flatten_in_example_order(
-    user_inputs: tuple[object, ...],
-) -> tuple[list[object], pytree.TreeSpec]:
-    global _reordered_once
-    leaves, spec = pytree.tree_flatten(_in_example_order(user_inputs))
-    if spec == _IN_SPEC and not _reordered_once:
-        _reordered_once = True
-        warnings.warn(
-            "a dict input's keys came in another order than the example's: the "
-            "artifact takes its values by key, in the example's order, which is the "
-            "order the traced function saw (a function whose result depends on the "
-            "order of a dict's keys computes as it did for the example's). "
-            "(Said once per artifact.)",
-            stacklevel=5,
-        )
-    return leaves, spec

@@ -331,7 +331,7 @@ FEATURE_STEPS = {
         ("eager_grad_resets", {"gradients", "grad_resets"}),
         ("eager_optimizer_step", {"gradients", "grad_resets", "optimizers"}),
         ("eager_scalar_inputs", set()),
-        ("eager_multi_module", set()),
+        ("eager_multi_module", {"dict_inputs"}),
         ("eager_pytree_types", {"pytree_types"}),
         ("eager_literals_aliasing", set()),
         ("inductor_inference", {"layouts"}),

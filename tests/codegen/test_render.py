@@ -9,10 +9,13 @@ import string
 import subprocess
 import sys
 import tracemalloc
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import torch.utils._pytree as pytree
 from helpers.golden import CASES
 
 import precompile_gen as pg
@@ -24,7 +27,12 @@ from precompile_gen.capture_result import (
     metadata_constants,
 )
 from precompile_gen.codegen.layout import assignment, format_python
-from precompile_gen.codegen.render import GRAPH_MARKER, render_skeleton
+from precompile_gen.codegen.render import (
+    GRAPH_MARKER,
+    driver_features,
+    render_skeleton,
+    runtime_parts,
+)
 from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 
@@ -215,3 +223,28 @@ def test_metadata_constants_come_from_the_records_in_emission_order() -> None:
         *constants["BUFFER_STRIDES"],  # type: ignore[not-iterable]
         *constants["USER_INPUT_STRIDES"],  # type: ignore[not-iterable]
     ] == cap.graph.input_strides
+
+
+def _holds_dicts(spec: pytree.TreeSpec) -> bool:
+    # As the artifact's dict_inputs part sees it: the spec's own dict nodes.
+    return spec.type is dict or any(map(_holds_dicts, spec.children()))
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        (torch.ones(1),),
+        ({"a": torch.ones(1)},),
+        (torch.ones(1), [torch.ones(1), {"b": torch.ones(1)}]),
+        (OrderedDict(a=torch.ones(1)),),
+        ((torch.ones(1), (torch.ones(1),)),),
+    ],
+)
+def test_the_dict_inputs_part_is_carried_exactly_where_the_inputs_hold_dicts(
+    inputs: tuple[object, ...],
+) -> None:
+    # The renderer reads the serialised spec; the artifact's TreeSpec must agree.
+    spec = pytree.tree_flatten(inputs)[1]
+    cap = replace_convention(stub_capture("eager"), in_spec=pytree.treespec_dumps(spec))
+    carried = "dict_inputs" in runtime_parts(driver_features(cap))
+    assert carried == _holds_dicts(spec)

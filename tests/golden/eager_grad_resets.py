@@ -203,7 +203,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + captured_graph (sha256 27ee2145fdc7430adede485b19a3f36a2eb4a27ffa32161b4b3ab131da21b038)
+# 4. Runtime support: support + gradients + calls + captured_graph (sha256 4ef8c51d82e3037438a7e60b42a3d50a4604957a12d921d043ac4b04adda8116)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

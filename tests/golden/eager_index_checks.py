@@ -205,7 +205,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 ce480905dbb9fddaf45f0754d1fe3df6f58d69398ddf260ab5acf34fcdb5a7de)
+# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 663dc5e195803def5bdf2c98874704fa11ca61b9c287837531626d7d084db4c8)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

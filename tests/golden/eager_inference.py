@@ -171,7 +171,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 f8b8168d19116a66104cd981b8e7aa3c859a7f2e01548315cd1dea0f212df532)
+# 4. Runtime support: support + calls + captured_graph (sha256 0cfb388a07cf8c3815ff27bbfcb93ad6e1665e17df9725f2487a0951ff1053c6)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

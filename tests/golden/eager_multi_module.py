@@ -220,7 +220,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 f8b8168d19116a66104cd981b8e7aa3c859a7f2e01548315cd1dea0f212df532)
+# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 4b6b9b218a86d0798c14308cf3fd6b26f3388a29cb691b06fee390879f681c15)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -293,7 +293,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 17ac7ca298cd7a347994ae5d5d67d25b874030df775f0ea2f2e67d4c07d8901f)
+# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 5475e466527ce6fbaf81fbdaa57929561b7102a2046b01184354a3e8efa81be4)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

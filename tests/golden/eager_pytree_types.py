@@ -186,7 +186,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 d9e0be51fc086dfde5570a05d7f33071fc10c6e73582cf48d0de13bec61957d2)
+# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 3417ad44b08b977ba8fddf2529abb9699d1872dbe70222f86f84b271bb556f3a)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -390,7 +390,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 d39b994ae216797e6e7b75f7ed23014011a96a9d5037d3ef7cfc54ef9c201b8d)
+# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 087087c1ea8aacb309cb46ad9bf84cae5cd31b2482003a0eb6b6eac60f5f9737)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -1951,7 +1951,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 b2407245733ada39f2116ef4d93ba95bb328c94419505c70b35aa56f4eac5fa7)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 4c623dc5a8ada94d6a8be16e152657830d0dda2a07572f477d51a59486bc9f06)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 
