@@ -12,7 +12,9 @@ out, at black's line length:
   ``comment_lines``), a table for a comment (``columns``), a section title's rule;
 - a docstring's words (``docstring``), which black leaves where they are;
 - a name list too long for one line, one name a line (``one_per_line``): Inductor's
-  unpacking of its inputs, the eager graph's signature.
+  unpacking of its inputs, the eager graph's signature;
+- module-level statements in the runs black separates with a blank line
+  (``statement_blocks``): fx's imports and the names it binds.
 
 ``format_python`` runs black itself, with the same settings, for the few texts that
 are formatted once when they are made (the sparse gradients' code) and for tests.
@@ -231,3 +233,17 @@ def one_per_line(opening: str, names: list[str], closing: str, indent: str) -> s
         return line
     lines = [f"{indent}{opening}", *(f"{indent}    {name}," for name in names)]
     return "\n".join([*lines, f"{indent}{closing}"])
+
+
+def statement_blocks(lines: list[str]) -> list[list[str]]:
+    """One-line module-level statements in the runs black separates with a blank
+    line: after an import, before a statement that is not one."""
+    blocks: list[list[str]] = []
+    previous_import = False
+    for line in lines:
+        is_import = line.startswith(("import ", "from "))
+        if not blocks or (previous_import and not is_import):
+            blocks.append([])
+        blocks[-1].append(line)
+        previous_import = is_import
+    return blocks

@@ -39,6 +39,7 @@ from precompile_gen.codegen.layout import (
     docstring,
     literal,
     section_rule,
+    statement_blocks,
 )
 
 # A comment line, which black leaves alone at module level; replaced by the graph.
@@ -370,7 +371,7 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
             list(row) for row in zip(names, roles, strict=True)
         ]
     return GraphFeatures(
-        import_blocks=_import_blocks(graph.imports),
+        import_blocks=statement_blocks(graph.imports),
         rewritten_imports=rewritten,
         async_compile="_AsyncCompile" in stand_ins,
         simple_namespace="SimpleNamespace" in stand_ins,
@@ -398,18 +399,6 @@ def _kernel_entry(kernel: KernelEntry) -> str:
         else "(Inductor's module names no ATen op for it)"
     )
     return f"{kernel.lines} lines: {ops}"
-
-
-def _import_blocks(imports: list[str]) -> list[list[str]]:
-    blocks: list[list[str]] = []
-    previous_import = False
-    for line in imports:
-        is_import = line.startswith(("import ", "from "))
-        if not blocks or (previous_import and not is_import):
-            blocks.append([])
-        blocks[-1].append(line)
-        previous_import = is_import
-    return blocks
 
 
 def _input_roles(cap: CaptureResult) -> list[str]:

@@ -93,12 +93,3 @@ def test_the_inputs_names_and_the_redefined_call_are_read_from_the_module() -> N
     inner = source[: source.index("_inner_call = call")]
     assert not inductor_module.redefines_call(inner)
     assert inductor_module.unpacked_inputs("def call(args):\n    pass\n") == []
-
-
-def test_one_per_line_keeps_a_line_that_fits_and_splits_one_that_does_not() -> None:
-    assert layout.one_per_line("f(", ["a", "b"], ")", "    ") == "    f(a, b)"
-    names = [f"name_{i}" for i in range(20)]
-    split = layout.one_per_line("def f(", names, "):", "").splitlines()
-    assert split == ["def f(", *(f"    {name}," for name in names), "):"]
-    text = "\n".join(split) + "\n    pass\n"
-    assert layout.format_python(text) == text
