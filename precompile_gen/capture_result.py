@@ -508,7 +508,7 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
     flattened into aligned lists, the form ``parse_metadata`` and programs written
     for torch.compiler.precompile's artifacts read."""
     convention = cap.convention
-    strides = _StridesByRole(convention, cap.graph.input_strides)
+    strides = input_strides(cap)
     return {
         "BACKEND": cap.backend,
         "MODULE_POSITIONS": [module.position for module in convention.modules],
@@ -557,29 +557,40 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
     }
 
 
-class _StridesByRole:
-    """The graph's ``input_strides`` split by the records they belong to."""
+class InputStrides(NamedTuple):
+    """The graph's ``input_strides``, split by the records they belong to."""
 
-    def __init__(self, convention: CallConvention, strides: Strides) -> None:
-        num_params = len(convention.params)
-        num_state = num_params + len(convention.buffers)
-        num_inputs = num_state + len(convention.leaves)
-        num_optimizer_state = sum(len(o.state) for o in convention.optimizers)
-        if len(strides) != num_inputs + num_optimizer_state:
-            raise ValueError(
-                f"the CompiledGraph has {len(strides)} input_strides, but its "
-                f"convention has {num_inputs + num_optimizer_state} graph inputs "
-                "before the lrs: one per parameter, buffer, input leaf and "
-                "optimizer state tensor."
-            )
-        self.params = strides[:num_params]
-        self.buffers = strides[num_params:num_state]
-        self.leaves = strides[num_state:num_inputs]
-        self.optimizer_state = strides[num_inputs:]
+    params: Strides
+    buffers: Strides
+    leaves: Strides
+    optimizer_state: Strides
+
+
+def input_strides(cap: CaptureResult) -> InputStrides:
+    """``cap.graph.input_strides`` by the convention's records; a ``ValueError``
+    where their counts disagree."""
+    convention, strides = cap.convention, cap.graph.input_strides
+    num_params = len(convention.params)
+    num_state = num_params + len(convention.buffers)
+    num_inputs = num_state + len(convention.leaves)
+    num_optimizer_state = sum(len(o.state) for o in convention.optimizers)
+    if len(strides) != num_inputs + num_optimizer_state:
+        raise ValueError(
+            f"the CompiledGraph has {len(strides)} input_strides, but its "
+            f"convention has {num_inputs + num_optimizer_state} graph inputs "
+            "before the lrs: one per parameter, buffer, input leaf and "
+            "optimizer state tensor."
+        )
+    return InputStrides(
+        params=strides[:num_params],
+        buffers=strides[num_params:num_state],
+        leaves=strides[num_state:num_inputs],
+        optimizer_state=strides[num_inputs:],
+    )
 
 
 def _state_constants(
-    params: list[StateTensor], buffers: list[StateTensor], strides: _StridesByRole
+    params: list[StateTensor], buffers: list[StateTensor], strides: InputStrides
 ) -> dict[str, object]:
     """The parameters' and buffers' aligned constants, in emission order."""
     return {

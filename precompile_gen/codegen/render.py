@@ -28,6 +28,7 @@ from precompile_gen.capture_result import (
     InputLeaf,
     KernelEntry,
     StateTensor,
+    input_strides,
     metadata_constants,
 )
 from precompile_gen.codegen import inductor_imports
@@ -209,10 +210,8 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
     user_positions = _user_positions(conv)
     leaves = conv.leaves
     inductor = cap.backend == "inductor"
-    num_state = len(conv.params) + len(conv.buffers)
-    strides = cap.graph.input_strides
-    leaf_strides = strides[num_state : num_state + len(leaves)]
-    state_strides = strides[:num_state] + strides[num_state + len(leaves) :]
+    strides = input_strides(cap)
+    state_strides = [*strides.params, *strides.buffers, *strides.optimizer_state]
     return DriverFeatures(
         compiled=inductor,
         tensor_arguments=_flat_tuple_of_leaves(conv.in_spec, len(user_positions))
@@ -224,7 +223,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         dict_inputs=_holds_dicts(conv.in_spec),
         aliasing=bool(conv.aliased_inputs),
         state_layouts=inductor and any(stride is not None for stride in state_strides),
-        leaf_layouts=inductor and any(stride is not None for stride in leaf_strides),
+        leaf_layouts=inductor and any(stride is not None for stride in strides.leaves),
         gradients=bool(conv.grad_param_indices),
         grad_resets=bool(conv.grad_resets),
         optimizers=bool(conv.optimizers),
@@ -439,13 +438,16 @@ def _tensor_rows(cap: CaptureResult) -> list[list[str]]:
     state = [*conv.params, *conv.buffers]
     num_state = len(state)
     num_inputs = num_state + len(conv.leaves)
-    strides = cap.graph.input_strides
+    strides = input_strides(cap)
     return [
         ["input", "name", "shape", "stride", "dtype", "device", "requires grad"],
         *(
             _state_row(name, tensor, stride)
             for name, tensor, stride in zip(
-                names[:num_state], state, strides[:num_state], strict=True
+                names[:num_state],
+                state,
+                [*strides.params, *strides.buffers],
+                strict=True,
             )
         ),
         *(
@@ -454,7 +456,7 @@ def _tensor_rows(cap: CaptureResult) -> list[list[str]]:
                 zip(
                     names[num_state:num_inputs],
                     conv.leaves,
-                    strides[num_state:num_inputs],
+                    strides.leaves,
                     strict=True,
                 )
             )
