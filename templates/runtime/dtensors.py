@@ -3,8 +3,8 @@
 # its first "# ---" heading on. The lines above that heading are not carried: they
 # import what the rest of the artifact defines, so that ruff and pyrefly check this
 # part as a module of its own.
-from templates.runtime.calls import _NUM_STATE, _leaf_name
-from templates.runtime.declarations import _USER_POSITIONS, DTENSORS, USER_INPUT_SHAPES
+from templates.runtime.calls import _NUM_STATE, _call_leaf_name
+from templates.runtime.declarations import DTENSORS, USER_INPUT_SHAPES
 from templates.runtime.support import _fail
 
 # isort: split
@@ -63,8 +63,7 @@ def _check_leaf_sharding(args: tuple[object, ...], leaves: list[object]) -> None
         if isinstance(leaf, torch.Tensor):
             position = _NUM_STATE + index
             if isinstance(leaf, DTensor) or position in DTENSORS:
-                user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-                _check_sharding(_leaf_name(user_inputs, index), position, leaf)
+                _check_sharding(_call_leaf_name(args, index), position, leaf)
 
 
 def _show_sharding(mesh_shape: tuple[int, ...], placements: tuple[str, ...]) -> str:

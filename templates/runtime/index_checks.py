@@ -3,8 +3,8 @@
 # takes from the input leaves, from its first "# ---" heading on. The lines above that
 # heading are not carried: they import what the rest of the artifact defines, so that
 # ruff and pyrefly check this part as a module of its own.
-from templates.runtime.calls import _leaf_name
-from templates.runtime.declarations import _USER_POSITIONS, INDEX_CHECKS
+from templates.runtime.calls import _call_leaf_name
+from templates.runtime.declarations import INDEX_CHECKS
 from templates.runtime.support import _fail
 
 # isort: split
@@ -23,8 +23,7 @@ def _check_indices(args: tuple[object, ...], leaves: list[object]) -> None:
     for sources, steps, low, high, allowed, what in INDEX_CHECKS:
         problem = _index_problem(leaves, sources, steps, low, high, allowed)
         if problem is not None:
-            user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-            names = " and ".join(_leaf_name(user_inputs, i) for i in sources)
+            names = " and ".join(_call_leaf_name(args, i) for i in sources)
             subject = f"the index the graph computes from {names}" if steps else names
             also = "" if allowed is None else f", or {allowed}"
             _fail(

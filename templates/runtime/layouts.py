@@ -3,9 +3,8 @@
 # the strides of their inputs, from its first "# ---" heading on. The lines above that
 # heading are not carried: they import what the rest of the artifact defines, so that
 # ruff and pyrefly check this part as a module of its own.
-from templates.runtime.calls import _NUM_STATE, _leaf_name
+from templates.runtime.calls import _NUM_STATE, _call_leaf_name
 from templates.runtime.declarations import (
-    _USER_POSITIONS,
     ALIASED_INPUTS,
     BUFFER_STRIDES,
     PARAM_STRIDES,
@@ -91,7 +90,7 @@ def _leaves_in_captured_layout(args: tuple[object, ...], leaves: list[object]) -
             continue
         reason = _UNCOPIED_LEAVES.get(index)
         if reason is not None:
-            where = _leaf_name(tuple(args[i] for i in _USER_POSITIONS), index)
+            where = _call_leaf_name(args, index)
             _fail(_uncopied_message(where, tensor, strides, reason))
         copied = torch.empty_strided(
             tensor.shape, strides, dtype=tensor.dtype, device=tensor.device
@@ -99,7 +98,7 @@ def _leaves_in_captured_layout(args: tuple[object, ...], leaves: list[object]) -
         leaves[index] = copied.copy_(tensor.detach())
         if index not in _COPIED_LEAVES:
             _COPIED_LEAVES.add(index)
-            where = _leaf_name(tuple(args[i] for i in _USER_POSITIONS), index)
+            where = _call_leaf_name(args, index)
             _warn_of_copy(where, tensor, strides)
 
 

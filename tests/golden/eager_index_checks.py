@@ -205,7 +205,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 663dc5e195803def5bdf2c98874704fa11ca61b9c287837531626d7d084db4c8)
+# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 104321d11b641d025045294bd7e2653f7e215e64b6740bc805240781b4c63fb4)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

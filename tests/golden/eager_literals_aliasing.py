@@ -192,7 +192,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 0cfb388a07cf8c3815ff27bbfcb93ad6e1665e17df9725f2487a0951ff1053c6)
+# 4. Runtime support: support + calls + captured_graph (sha256 e1b004560cc65591c4c5a48407f7e3297282ad4255adb0a7acb839ce8e412f42)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -220,7 +220,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 4b6b9b218a86d0798c14308cf3fd6b26f3388a29cb691b06fee390879f681c15)
+# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 6c37daa71011e4d6685b635af995cfe2ed79f8a817b62a5ca3799371d77b3f56)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -293,7 +293,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 5475e466527ce6fbaf81fbdaa57929561b7102a2046b01184354a3e8efa81be4)
+# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 9cc441311ebf3452012fde301297f137176c42a8b61c7f3ff7e74a1053dc8417)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -186,7 +186,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 3417ad44b08b977ba8fddf2529abb9699d1872dbe70222f86f84b271bb556f3a)
+# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 d0928ab8ea4fd5855b901afc13865c826117841201990debf867791e8aea39f4)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

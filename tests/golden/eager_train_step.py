@@ -201,7 +201,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + captured_graph (sha256 4ef8c51d82e3037438a7e60b42a3d50a4604957a12d921d043ac4b04adda8116)
+# 4. Runtime support: support + gradients + calls + captured_graph (sha256 41fb58d82dce12d5d801ea7ce1b09e68cf35fe33730d2c99c05699a31df204fe)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

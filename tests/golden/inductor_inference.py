@@ -386,7 +386,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 087087c1ea8aacb309cb46ad9bf84cae5cd31b2482003a0eb6b6eac60f5f9737)
+# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 c177925dcf8d85817b1ec3351b1f47fb623d32ef0eec4c414ded11a933000e66)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -1951,7 +1951,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 4c623dc5a8ada94d6a8be16e152657830d0dda2a07572f477d51a59486bc9f06)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 22355e21babbb138db5e4d1c8ae7c751976ca2af7e03c2d0bf0d4d4447c9e274)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -88,6 +88,16 @@ def _call_without(
 
 
 # --- The call's arguments -----------------------------------------------------------
+def _user_inputs(args: tuple[object, ...]) -> tuple[object, ...]:
+    """The call's non-module arguments, in order."""
+    return tuple([args[i] for i in _USER_POSITIONS])
+
+
+def _call_leaf_name(args: tuple[object, ...], leaf_index: int) -> str:
+    """How messages name input leaf ``leaf_index`` of the call ``args``."""
+    return _leaf_name(_user_inputs(args), leaf_index)
+
+
 def _leaf_name(user_inputs: tuple[object, ...], leaf_index: int) -> str:
     if _TENSOR_ARGUMENTS:
         # Each leaf is an argument of its own.
@@ -111,7 +121,7 @@ def _split_arguments(
         if not isinstance(module, torch.nn.Module):
             _fail(_not_a_module_message(position, ARGUMENT_NAMES, module, _SIGNATURE))
         modules.append(module)
-    user_inputs = tuple([args[i] for i in _USER_POSITIONS])
+    user_inputs = _user_inputs(args)
     if _TENSOR_ARGUMENTS and all(type(a) is torch.Tensor for a in user_inputs):
         leaves: list[object] = list(user_inputs)
     else:
@@ -334,7 +344,7 @@ def _describe_aliasing_difference(
 
 
 def _input_names(args: tuple[object, ...], positions: list[int]) -> str:
-    user_inputs = tuple(args[i] for i in _USER_POSITIONS)
+    user_inputs = _user_inputs(args)
     names = []
     for position in positions:
         if position < _NUM_STATE:

@@ -52,8 +52,7 @@ def _check_leaf_sharding(args: tuple[object, ...], leaves: list[object]) -> None
         if isinstance(leaf, torch.Tensor):
             position = _NUM_STATE + index
             if isinstance(leaf, DTensor) or position in DTENSORS:
-                user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-                _check_sharding(_leaf_name(user_inputs, index), position, leaf)
+                _check_sharding(_call_leaf_name(args, index), position, leaf)
 
 
 def _show_sharding(mesh_shape: tuple[int, ...], placements: tuple[str, ...]) -> str:

@@ -12,8 +12,7 @@ def _check_indices(args: tuple[object, ...], leaves: list[object]) -> None:
     for sources, steps, low, high, allowed, what in INDEX_CHECKS:
         problem = _index_problem(leaves, sources, steps, low, high, allowed)
         if problem is not None:
-            user_inputs = tuple(args[i] for i in _USER_POSITIONS)
-            names = " and ".join(_leaf_name(user_inputs, i) for i in sources)
+            names = " and ".join(_call_leaf_name(args, i) for i in sources)
             subject = f"the index the graph computes from {names}" if steps else names
             also = "" if allowed is None else f", or {allowed}"
             _fail(

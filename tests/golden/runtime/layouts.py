@@ -73,7 +73,7 @@ def _leaves_in_captured_layout(args: tuple[object, ...], leaves: list[object]) -
             continue
         reason = _UNCOPIED_LEAVES.get(index)
         if reason is not None:
-            where = _leaf_name(tuple(args[i] for i in _USER_POSITIONS), index)
+            where = _call_leaf_name(args, index)
             _fail(_uncopied_message(where, tensor, strides, reason))
         copied = torch.empty_strided(
             tensor.shape, strides, dtype=tensor.dtype, device=tensor.device
@@ -81,7 +81,7 @@ def _leaves_in_captured_layout(args: tuple[object, ...], leaves: list[object]) -
         leaves[index] = copied.copy_(tensor.detach())
         if index not in _COPIED_LEAVES:
             _COPIED_LEAVES.add(index)
-            where = _leaf_name(tuple(args[i] for i in _USER_POSITIONS), index)
+            where = _call_leaf_name(args, index)
             _warn_of_copy(where, tensor, strides)
 
 
