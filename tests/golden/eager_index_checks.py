@@ -205,7 +205,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 104321d11b641d025045294bd7e2653f7e215e64b6740bc805240781b4c63fb4)
+# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 5a2f32bfff4c26f518c49a8b9e00851bb613b5373fa660baee60e03247010e09)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -220,7 +220,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 6c37daa71011e4d6685b635af995cfe2ed79f8a817b62a5ca3799371d77b3f56)
+# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 f25ba609a0a2d64aa7115966c0ff0642cd733acd6c61d047e24e4ee3bc4cc9c5)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -293,7 +293,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 9cc441311ebf3452012fde301297f137176c42a8b61c7f3ff7e74a1053dc8417)
+# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 5cf72ec4f6abb6dd913f19cc498ef827885d8bd107848789259a5ee5d0ab8782)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -186,7 +186,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 d0928ab8ea4fd5855b901afc13865c826117841201990debf867791e8aea39f4)
+# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 81569f6fdc447661ed5124d65a29573861e5894ac9fd3dcd8418b0a5766f5d3e)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -182,7 +182,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 e1b004560cc65591c4c5a48407f7e3297282ad4255adb0a7acb839ce8e412f42)
+# 4. Runtime support: support + calls + captured_graph (sha256 24fc246838268623f564817029fe63c6518ffa98ff316f2b78f426393b14ea72)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -201,7 +201,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + captured_graph (sha256 41fb58d82dce12d5d801ea7ce1b09e68cf35fe33730d2c99c05699a31df204fe)
+# 4. Runtime support: support + gradients + calls + captured_graph (sha256 865cc340894877a6a38d606e46f9f81fa7704e18719b82e222f783b65a82c4a2)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

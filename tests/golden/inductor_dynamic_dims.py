@@ -390,7 +390,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 c177925dcf8d85817b1ec3351b1f47fb623d32ef0eec4c414ded11a933000e66)
+# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 93e183bb85015bf4223ae6631e2ff5a7463ab5c9fe0a914e22cdfbaa70bb8abe)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

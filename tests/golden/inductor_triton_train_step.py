@@ -1951,7 +1951,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 22355e21babbb138db5e4d1c8ae7c751976ca2af7e03c2d0bf0d4d4447c9e274)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 27dd89d6826b6bdc0be9a115e006d1f931778d9c05e9f6dc4bb598a663451425)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

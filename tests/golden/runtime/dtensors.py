@@ -59,6 +59,28 @@ def _show_sharding(mesh_shape: tuple[int, ...], placements: tuple[str, ...]) -> 
     return f"placements ({', '.join(placements)}) on a mesh of shape {mesh_shape}"
 
 
+# --- The fast path's DTensors -------------------------------------------------------
+class _RememberedShards:
+    """The DTensors among the tensors the fast path remembers (support's
+    _Remembered). A DTensor's data pointer is 0 and its placements are its spec's:
+    what holds its data is its local shard, guarded as the other tensors are, and
+    its spec is remembered by identity (redistributing makes a new one)."""
+
+    def __init__(self, tensors: list[Any]) -> None:
+        self.shards = [
+            (tensor, tensor._local_tensor, tensor._spec)
+            for tensor in tensors
+            if type(tensor) is not torch.Tensor and hasattr(tensor, "_local_tensor")
+        ]
+        self.local_tensors = [local for _, local, _ in self.shards]
+
+    def hold(self) -> bool:
+        return all(
+            tensor._local_tensor is local and tensor._spec is spec
+            for tensor, local, spec in self.shards
+        )
+
+
 # --- Local shards -------------------------------------------------------------------
 # Inductor compiles plain tensors, and a fully_shard model's trace gathers its
 # parameters from their shards: capture traced DTensor's dispatch into the local ops

@@ -656,15 +656,16 @@ class _Remembered:
         self.versions = list(map(dict_version, self.dicts))
         self.state = state
         tensors = self.tensors = state.tensors
-        # A DTensor's data pointer is 0 and its placements are its spec's: what
-        # holds its data is its local shard, guarded as the other tensors are, and
-        # its spec is remembered by identity (redistributing makes a new one).
-        self.shards = [
-            (tensor, tensor._local_tensor, tensor._spec)
-            for tensor in cast(list[Any], tensors)
-            if type(tensor) is not torch.Tensor and hasattr(tensor, "_local_tensor")
-        ]
-        tensors = self.guarded = [*tensors, *(local for _, local, _ in self.shards)]
+        # A tensor that keeps its data in another (a DTensor, in its local shard) is
+        # watched through that one as well: by the dtensors part's
+        # _RememberedShards, in the artifacts that take such tensors; every other
+        # artifact refuses them before anything is remembered.
+        remembered_shards = globals().get("_RememberedShards")
+        self.shards: Any = (
+            None if remembered_shards is None else remembered_shards(tensors)
+        )
+        shards = [] if self.shards is None else self.shards.local_tensors
+        tensors = self.guarded = [*tensors, *shards]
         self.data_ptrs = list(map(_DATA_PTR, tensors))
         self.tensor_guard = cast(Any, TensorGuards)(
             *tensors,
@@ -683,13 +684,7 @@ class _Remembered:
             and list(map(dict_version, self.dicts)) == self.versions
             and bool(self.tensor_guard.check(*self.guarded))
             and list(map(_DATA_PTR, self.guarded)) == self.data_ptrs
-            and (not self.shards or self.same_shards())
-        )
-
-    def same_shards(self) -> bool:
-        return all(
-            tensor._local_tensor is local and tensor._spec is spec
-            for tensor, local, spec in self.shards
+            and (self.shards is None or self.shards.hold())
         )
 
 
