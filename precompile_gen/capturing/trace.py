@@ -835,6 +835,7 @@ def _record(
     checks = index_checks.index_checks(gm, names, len(user.leaves))
     example_strides = _example_strides(state, user, flat_args, updates.optimizers)
     in_spec = _dump_in_spec(user.in_spec)
+    state_tensors = _state_tensors(state)
     if local is not None:
         gm, flat_args = local.gm, local.flat_args
     convention = CallConvention(
@@ -843,8 +844,8 @@ def _record(
         argument_names=call.argument_names,
         modules=_module_arguments(call, modes),
         global_module_hooks=modes.global_hooks,
-        params=_state_tensors(state)[: state.num_params],
-        buffers=_state_tensors(state)[state.num_params :],
+        params=state_tensors[: state.num_params],
+        buffers=state_tensors[state.num_params :],
         in_spec=in_spec,
         in_structure=None if in_spec is None else pytree.treespec_pprint(user.in_spec),
         leaves=_input_leaves(user),
