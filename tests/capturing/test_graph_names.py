@@ -5,6 +5,7 @@ computes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import keyword
 import re
@@ -205,4 +206,18 @@ def test_a_capture_naming_too_few_inputs_is_refused_at_render() -> None:
     names = stub.convention.input_names[:-1]
     cap = replace_convention(stub, input_names=names)
     with pytest.raises(ValueError, match=r"names 3 graph inputs .* records make 4"):
+        pg.render_artifact(cap)
+
+
+def test_a_capture_with_strides_for_too_few_inputs_is_refused_at_render() -> None:
+    stub = stub_capture("eager")
+    strides = stub.graph.input_strides[:-1]
+    cap = dataclasses.replace(
+        stub, graph=dataclasses.replace(stub.graph, input_strides=strides)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"has 2 input_strides, but its convention has 3 graph inputs before "
+        r"the lrs: one per parameter, buffer, input leaf and optimizer state tensor",
+    ):
         pg.render_artifact(cap)
