@@ -173,7 +173,8 @@ class MyFloat(float):
         float("-inf"),
         float("nan"),
     ],
-    ids=lambda v: type(v).__name__ + ":" + repr(v)[:30],
+    # An object's repr holds its address, which differs between processes.
+    ids=lambda v: type(v).__name__ + ("" if type(v) is object else ":" + repr(v)[:30]),
 )
 def test_rejects_non_plain_values(value: object) -> None:
     with pytest.raises(TypeError):
