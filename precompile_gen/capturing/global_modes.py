@@ -24,13 +24,17 @@ from precompile_gen.runtime.errors import PrecompileError
 
 @contextlib.contextmanager
 def capturing() -> Generator[None]:
-    """Inference mode off for the whole capture, grad mode as the caller had it."""
-    if not torch.is_inference_mode_enabled():
-        yield
-        return
-    # Leaving inference mode turns grad mode on; inside it, grad mode was off.
-    with torch.inference_mode(False), torch.no_grad():
-        yield
+    """Inference mode off for the whole capture, grad mode as the caller had it; and
+    torch's generators left where they were: capture runs fn, which draws, but a
+    capture is no call, and the caller's next draws must be what they would be."""
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=list(cuda)):
+        if not torch.is_inference_mode_enabled():
+            yield
+            return
+        # Leaving inference mode turns grad mode on; inside it, grad mode was off.
+        with torch.inference_mode(False), torch.no_grad():
+            yield
 
 
 def lowering() -> contextlib.AbstractContextManager[object]:

@@ -52,6 +52,7 @@ from precompile_gen.capturing import (
     dtensors,
     dynamic_dims,
     fully_sharded,
+    generator_states,
     global_modes,
     grad_resets,
     graph_checks,
@@ -689,39 +690,55 @@ def _make_fx(
             _compiling(),
             _rnns_step_by_step(),
             python_state.refusing_python_rng(fn),
+            generator_states.recording() as recorded,
             data_parallel.functional_collectives(),
             contextlib.nullcontext()
             if on_shards is not None
             else dtensors.refusing_conversions(fn_name),
         ):
-            return make_fx(
+            gm = make_fx(
                 flat_fn,
                 decomposition_table=decompositions,
                 tracing_mode="real" if symbolic is None else "symbolic",
             )(flat_args)
+        generator_states.repeat_first_draws(gm, recorded, fn_name)
+        return gm
     except PrecompileError:
         raise
     except Exception as error:
-        untraceable = _untraceable(error, symbolic, fn_name)
-        if untraceable is not None:
-            raise untraceable from error
-        if any(error is raised for raised in raised_by_fn):
-            # The function's own exception, as eager would raise it, so that the
-            # caller's ``except`` clauses keep working; the note says where it rose.
-            error.add_note(
-                f"precompile_gen: {fn_name!r} raised this while it was traced on "
-                "copies of the example inputs (capture). Check that "
-                f"{fn_name}(*example_inputs) runs eagerly with these inputs; while "
-                "tracing, torch.compiler.is_compiling() is true and every tensor is a "
-                "copy of the example's."
-            )
+        failure = _trace_failure(error, symbolic, fn_name, raised_by_fn)
+        if failure is error:
             raise
-        raise PrecompileError(
-            f"capture failed while tracing {fn_name!r}: {type(error).__name__}: "
-            f"{_first_line(error)}. The function must run on the example inputs as "
-            "written (positional arguments, modules passed as arguments); check that "
-            f"{fn_name}(*example_inputs) runs eagerly."
-        ) from error
+        raise failure from error
+
+
+def _trace_failure(
+    error: Exception,
+    symbolic: dynamic_dims.SymbolicInputs | None,
+    fn_name: str,
+    raised_by_fn: list[Exception],
+) -> Exception:
+    """What a failed trace raises: fn's own exception as eager would raise it, so
+    that the caller's ``except`` clauses keep working (a note says where it rose),
+    or a ``PrecompileError`` naming fn."""
+    untraceable = _untraceable(error, symbolic, fn_name)
+    if untraceable is not None:
+        return untraceable
+    if any(error is raised for raised in raised_by_fn):
+        error.add_note(
+            f"precompile_gen: {fn_name!r} raised this while it was traced on "
+            "copies of the example inputs (capture). Check that "
+            f"{fn_name}(*example_inputs) runs eagerly with these inputs; while "
+            "tracing, torch.compiler.is_compiling() is true and every tensor is a "
+            "copy of the example's."
+        )
+        return error
+    return PrecompileError(
+        f"capture failed while tracing {fn_name!r}: {type(error).__name__}: "
+        f"{_first_line(error)}. The function must run on the example inputs as "
+        "written (positional arguments, modules passed as arguments); check that "
+        f"{fn_name}(*example_inputs) runs eagerly."
+    )
 
 
 @dataclass
@@ -1020,11 +1037,16 @@ def _untraceable(
 def _compiling() -> Generator[None]:
     """``torch.compiler.is_compiling()`` is true while fn is traced, as it is in
     torch.export's non-strict trace: library code checks it to take a path that
-    traces (transformers builds attention masks without data-dependent branches)."""
+    traces (transformers builds attention masks without data-dependent branches).
+    And torch knows the trace for the non-strict one it is: selective activation
+    checkpointing then caches and recomputes as eager does, where it would otherwise
+    cache every op for a partitioner that this graph never meets (and refuse a
+    random op's output that dropout scales in place)."""
     previous = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        yield
+        with torch.compiler._non_strict_tracing_context():
+            yield
     finally:
         torch.compiler._is_compiling_flag = previous
 

@@ -169,6 +169,18 @@ def write_positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[int]]:
     return {node: by_memory.get(memory, []) for node, memory in storage.items()}
 
 
+def writes(node: torch.fx.Node) -> bool:
+    """Whether ``node`` writes any tensor's memory (in place, or running stats)."""
+    return bool(_written(node, _Itself()))
+
+
+class _Itself(dict[torch.fx.Node, torch.fx.Node]):
+    """A storage map in which every node is its own memory."""
+
+    def __missing__(self, node: torch.fx.Node) -> torch.fx.Node:
+        return node
+
+
 def _has_outside_effects(node: torch.fx.Node) -> bool:
     target = node.target
     if node.op != "call_function":
