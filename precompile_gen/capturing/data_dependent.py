@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental import proxy_tensor
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, resolve_name
 
 from precompile_gen.runtime.errors import PrecompileError
 
@@ -45,6 +45,8 @@ _SITE_DIR = sysconfig.get_paths()["purelib"] + "/"
 _DISTRIBUTIONS_DIR = str(Path(torch.distributions.__file__).parent) + "/"
 # make_fx's refusal of a value read from a traced tensor (``_local_scalar_dense``).
 _MAKE_FX_VALUE_READ = "get value out of a tracing tensor"
+# The attribute a refused value read carries to name the torch op that read it.
+_READER = "_precompile_gen_value_reader"
 _FIXES = (
     "Keep the computation on tensors: select with torch.where(condition, a, b), "
     "branch with torch.cond(predicate, true_fn, false_fn, operands), or move the "
@@ -80,6 +82,17 @@ def user_line(skip: int = 2, *, code: bool = True) -> str:
     return _where(frame.f_code.co_filename, frame.f_lineno, code=code)
 
 
+def _library_only(traceback: types.TracebackType | None) -> bool:
+    """Whether no frame of the user's code lies on ``traceback``: the read happened
+    in the op, not in user code it calls back (a checkpointed module, a custom
+    autograd.Function's forward)."""
+    while traceback is not None:
+        if not is_library(traceback.tb_frame.f_code.co_filename):
+            return False
+        traceback = traceback.tb_next
+    return True
+
+
 def _innermost_user_frame(traceback: types.TracebackType | None) -> str:
     where = "an unknown line"
     while traceback is not None:
@@ -95,11 +108,41 @@ def value_read_error(error: BaseException, fn_name: str) -> PrecompileError | No
     fn's code that read it; None for any other error."""
     if not isinstance(error, RuntimeError) or _MAKE_FX_VALUE_READ not in str(error):
         return None
+    reader = getattr(error, _READER, None)
+    if reader is not None:
+        return _op_refusal(reader, error, fn_name)
     return _refusal(
         f"{fn_name!r} converts a tensor computed from its inputs to a Python value "
         "(if t: ..., bool(t), float(t), int(t) or .item()) at "
         f"{_innermost_user_frame(error.__traceback__)}"
     )
+
+
+def _op_refusal(
+    reader: Callable[..., Any], error: BaseException, fn_name: str
+) -> DataDependentError:
+    name = resolve_name(reader) or getattr(reader, "__name__", repr(reader))
+    name = name.replace("torch.functional.", "torch.")
+    instead = _INSTEAD.get(name, "")
+    return DataDependentError(
+        f"{fn_name!r} calls {name} at {_innermost_user_frame(error.__traceback__)}, "
+        "and that op reads a value out of its tensor argument itself (a range or "
+        "size check, or a result whose size depends on the values), which the "
+        "trace cannot follow: the artifact would keep the example's value for every "
+        f"call. {instead}Otherwise call it outside the precompiled function, on its "
+        "inputs before the call or on its outputs after, and pass the result in."
+    )
+
+
+# Ops that read a value, and how to compute the same without the read.
+_INSTEAD = {
+    "torch.nn.functional.one_hot": (
+        "Compute the encoding without the op's range check: "
+        "(t.unsqueeze(-1) == torch.arange(num_classes, device=t.device)).long() "
+        "gives the same tensor for every t in range (and a row of zeros where "
+        "one_hot would raise). "
+    ),
+}
 
 
 def _refusal(lead: str) -> DataDependentError:
@@ -184,7 +227,19 @@ class _ValueReads(TorchFunctionMode):
     ) -> object:
         kwargs = kwargs or {}
         if func not in _READS or not args:
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as error:
+                # The innermost torch function a value read fails in is the op
+                # whose own code reads it (F.one_hot's range check), not the user.
+                if (
+                    _MAKE_FX_VALUE_READ in str(error)
+                    and func not in _CONVERSIONS
+                    and not hasattr(error, _READER)
+                    and _library_only(error.__traceback__)
+                ):
+                    setattr(error, _READER, func)
+                raise
         if not _depends_on_inputs(args[0]):
             if isinstance(args[0], torch.Tensor) and not proxy_tensor.is_fake(args[0]):
                 # The same value at every call: read it, as make_fx reads constants.
@@ -205,6 +260,16 @@ class _ValueReads(TorchFunctionMode):
 
 
 _READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__)
+# The user's own conversions of a tensor to a Python value: a read where they are
+# called is the user's, not an op's.
+_CONVERSIONS = {
+    *_READS,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.__complex__,
+    torch.Tensor.__format__,
+}
 
 
 def _asserted_bool(tensor: torch.Tensor, where: str) -> bool:

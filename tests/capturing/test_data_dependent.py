@@ -410,6 +410,71 @@ def test_value_read_names_the_line_and_the_fixes(
         assert line_of(fn, "total = ") in message
 
 
+def one_hot_labels(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    labels = model(x).argmax(-1)
+    return F.one_hot(labels, 3)
+
+
+def resynthesised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    window = torch.hann_window(8)
+    spectrum = torch.stft(model(x), 8, window=window, return_complex=True)
+    return torch.istft(spectrum * 0.5, 8, window=window)
+
+
+@pytest.mark.parametrize(
+    ("fn", "features", "text", "op", "advice"),
+    [
+        (one_hot_labels, 4, "F.one_hot(", "torch.nn.functional.one_hot", "arange"),
+        (resynthesised, 16, "torch.istft(", "torch.istft", "outside the precompiled"),
+    ],
+)
+def test_an_op_that_reads_a_value_is_named_rather_than_the_users_line(
+    fn: Callable[..., object], features: int, text: str, op: str, advice: str
+) -> None:
+    # The value is read inside the op (one_hot's range check, istft's window
+    # check): torch.where or torch.cond in the user's code would not help.
+    model, x = (
+        nn.Linear(features, 16 if fn is resynthesised else 3),
+        randn(2, features, seed=1),
+    )
+    snapshot = StateSnapshot(model, x)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(fn, model, x, backend="eager")
+    message = str(caught.value)
+    for expected in (f"calls {op} at {line_of(fn, text)}", "reads a value", advice):
+        assert expected in message, f"{expected!r} not in the message: {message}"
+    assert "torch.cond" not in message
+    snapshot.assert_unchanged()
+
+
+class SignGate(torch.autograd.Function):
+    """A custom function whose forward branches on a value in the user's code."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x.clone()
+        return -x
+
+    @staticmethod
+    def backward(ctx: object, *grads: torch.Tensor) -> torch.Tensor:
+        return grads[0]
+
+
+def gated(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return SignGate.apply(model(x))
+
+
+def test_a_value_read_in_user_code_an_op_calls_back_names_the_users_line() -> None:
+    # Function.apply runs the user's forward: the read is the user's branch.
+    assert_refused(
+        gated,
+        make_regressor(0),
+        randn(6, 4, seed=1),
+        match=[line_of(SignGate.forward, "if x.sum() > 0:"), "Python value"],
+    )
+
+
 def test_values_independent_of_the_inputs_are_read() -> None:
     def scaled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         sizes = torch.arange(3).tolist()
