@@ -7,6 +7,8 @@ With a CUDA device, on CUDA tensors, each compared with eager:
 - an MLP with LayerNorm and GELU, inference;
 - a training step with AdamW inside, three steps (losses and parameters);
 - dropout in training mode, under the same ``torch.manual_seed``;
+- a training step whose activation-checkpointed half holds a dropout, whose
+  backward's recompute must draw the forward's mask, three seeded steps;
 - a batch dim marked with ``mark_unbacked``, called at other batch sizes;
 - (CUDA only) inference under ``torch.cuda.stream`` of a side stream, and a 0-dim
   CPU tensor beside CUDA tensors;
@@ -20,7 +22,7 @@ With a CUDA device, on CUDA tensors, each compared with eager:
   against ``torch.compile`` of the same step: median step time and
   ``torch.cuda.max_memory_allocated`` over one step.
 
-Without one, the first line says so, and the four cases run on CPU tensors with
+Without one, the first line says so, and the five cases run on CPU tensors with
 Inductor's Triton kernels executed by Triton's interpreter
 (``precompile_gen.testing.triton_interpreter``), in a child process that has
 ``TRITON_INTERPRET=1`` set before torch is imported. No line it prints then is a
@@ -49,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
+from torch.utils.checkpoint import checkpoint
 
 import precompile_gen as pg
 
@@ -129,6 +132,48 @@ def check_dropout(device: str, width: int) -> str:
     return "two seeds: the same draws as eager"
 
 
+class CheckpointedBlock(nn.Module):
+    """An MLP whose second half is activation-checkpointed with dropout inside: on
+    CUDA eager drops out with the fused ``native_dropout``, whose recompute the
+    artifact must show to be the forward's."""
+
+    def __init__(self, width: int, device: str) -> None:
+        super().__init__()
+        self.first = mlp(width, device)
+        self.second = nn.Sequential(mlp(width, device), nn.Dropout(0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        return h + checkpoint(self.second, h, use_reentrant=False)
+
+
+def check_checkpointed_dropout(device: str, width: int) -> str:
+    def arguments() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = CheckpointedBlock(width, device).train()
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def generators() -> list[torch.Tensor]:
+        cuda = [torch.cuda.get_rng_state()] if device == "cuda" else []
+        return [torch.get_rng_state(), *cuda]
+
+    x, y = _randn(16, width, device=device), _randn(16, width, device=device, seed=2)
+    forward = _compiled(adamw_step, *arguments(), x, y)
+    compiled, reference = arguments(), arguments()
+    for seed in range(STEPS):
+        torch.manual_seed(seed)
+        got, got_state = forward(*compiled, x, y), generators()
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, adamw_step(*reference, x, y))
+        for mine, eager in zip(got_state, generators(), strict=True):
+            if not torch.equal(mine, eager):
+                raise AssertionError("the generator is not where eager leaves it")
+    for got, want in zip(
+        compiled[0].parameters(), reference[0].parameters(), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+    return f"{STEPS} seeded steps: losses, parameters and generators match eager"
+
+
 def check_unbacked_batch(device: str, width: int) -> str:
     model, x = mlp(width, device), _randn(8, width, device=device)
     mark_unbacked(x, 0, min=1, max=64)
@@ -144,6 +189,7 @@ CASES: dict[str, Callable[[str, int], str]] = {
     "MLP, LayerNorm + GELU, inference": check_inference,
     "training step, AdamW inside": check_training,
     "dropout under a seed": check_dropout,
+    "checkpointed dropout, AdamW inside": check_checkpointed_dropout,
     "mark_unbacked batch dim": check_unbacked_batch,
 }
 
