@@ -10,11 +10,11 @@ the fixes. Each artifact is compiled once per backend in a module-scoped fixture
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 
 import pytest
 import torch
+from helpers.source_lines import line_of
 from helpers.state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
 from torch.nn import functional as F
@@ -335,13 +335,6 @@ def test_eager_artifact_carries_the_branches() -> None:
 
 
 # --- refused reads -------------------------------------------------------------------
-
-
-def line_of(fn: Callable[..., object], text: str) -> str:
-    """``file:line`` of the line of ``fn`` that contains ``text``."""
-    lines, start = inspect.getsourcelines(fn)
-    offset = next(i for i, line in enumerate(lines) if text in line)
-    return f"{inspect.getsourcefile(fn)}:{start + offset}"
 
 
 FIXES = ["torch.where", "torch.cond", "out of the function"]
