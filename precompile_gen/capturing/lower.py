@@ -8,8 +8,12 @@ epilogue), whose compiled binaries go into the cache.
 from __future__ import annotations
 
 import ast
+import contextlib
+import logging
 import operator
+import os
 import re
+from collections.abc import Generator
 from typing import NamedTuple
 
 import torch
@@ -78,7 +82,8 @@ def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
         )
         return _LoweredGraph(source, imports, branches, None, {}, [], [], [], [])
     options = _inductor_options(traced)
-    source, kernels = _inductor_graph(traced, options)
+    with _quiet_cuda_home_guess():
+        source, kernels = _inductor_graph(traced, options)
     source, rewritten_imports = _rewrite_imports(source)
     return _LoweredGraph(
         source=source,
@@ -282,6 +287,31 @@ def _inductor_graph(
         raise
     except Exception as error:
         raise _compile_error(error) from error
+
+
+class _CudaHomeGuess(logging.Filter):
+    # torch's extension loader logs, whenever Inductor asks it for the CUDA toolkit
+    # on a machine without a GPU, that it guessed one: a line at every capture on
+    # CPU that tells the user nothing about the capture.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+@contextlib.contextmanager
+def _quiet_cuda_home_guess() -> Generator[None]:
+    """Keep the extension loader's guess of the CUDA toolkit out of the user's
+    terminal while Inductor compiles, unless the user asked for torch's logs
+    (``TORCH_LOGS``, or a level set on that logger)."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    if os.environ.get("TORCH_LOGS") or logger.level != logging.NOTSET:
+        yield
+        return
+    quiet = _CudaHomeGuess()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _inductor_options(traced: TracedGraph) -> dict[str, object]:
