@@ -261,7 +261,8 @@ class DriverSection:
 
     # The traced call, e.g. "train_step(model, optimizer, x, y)".
     call: str
-    # Positions of the non-module arguments, and the call's shape in words.
+    # Positions of the non-module arguments, and the call's arguments by the traced
+    # function's own names ("model, optimizer, x, y").
     user_positions: list[int]
     signature: str
     # forward()'s docstring, laid out as black leaves it (quotes included).
@@ -296,7 +297,7 @@ def driver_section(cap: CaptureResult, features: DriverFeatures) -> DriverSectio
     return DriverSection(
         call=call,
         user_positions=_user_positions(conv),
-        signature=", ".join(_argument_kinds(conv)),
+        signature=", ".join(conv.argument_names),
         docstring=docstring(text, indent=4),
         graph_inputs="[" + ", ".join(["*state.tensors", "*leaves", *extra]) + "]",
         state_checks=[

@@ -181,7 +181,7 @@ KERNEL_SOURCES: dict[str, str] = {}
 # reset_and_step(model, x, target), as traced: the positions of its arguments that are
 # not modules, the call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [1, 2]
-_SIGNATURE: str = "module, input, input"
+_SIGNATURE: str = "model, x, target"
 _TENSOR_ARGUMENTS: bool = True
 
 

@@ -186,7 +186,7 @@ KERNEL_SOURCES: dict[str, str] = {}
 # next_token_loss(model, ids), as traced: the positions of its arguments that are not
 # modules, the call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [1]
-_SIGNATURE: str = "module, input"
+_SIGNATURE: str = "model, ids"
 _TENSOR_ARGUMENTS: bool = True
 
 

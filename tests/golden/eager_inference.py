@@ -153,7 +153,7 @@ KERNEL_SOURCES: dict[str, str] = {}
 # predict(model, x), as traced: the positions of its arguments that are not modules, the
 # call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [1]
-_SIGNATURE: str = "module, input"
+_SIGNATURE: str = "model, x"
 _TENSOR_ARGUMENTS: bool = True
 
 

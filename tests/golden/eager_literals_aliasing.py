@@ -174,7 +174,7 @@ KERNEL_SOURCES: dict[str, str] = {}
 # masked_twice(model, x, y), as traced: the positions of its arguments that are not
 # modules, the call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [1, 2]
-_SIGNATURE: str = "module, input, input"
+_SIGNATURE: str = "model, x, y"
 _TENSOR_ARGUMENTS: bool = True
 
 

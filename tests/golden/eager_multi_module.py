@@ -200,7 +200,7 @@ KERNEL_SOURCES: dict[str, str] = {}
 # two_towers(encoder, batch, head), as traced: the positions of its arguments that are
 # not modules, the call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [1]
-_SIGNATURE: str = "module, input, module"
+_SIGNATURE: str = "encoder, batch, head"
 _TENSOR_ARGUMENTS: bool = False
 
 

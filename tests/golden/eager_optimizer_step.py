@@ -266,7 +266,7 @@ OPTIMIZERS: list[dict[str, "Any"]] = [
 # sgd_step(model, optimizer, x, target), as traced: the positions of its arguments that
 # are not modules, the call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [2, 3]
-_SIGNATURE: str = "module, optimizer, input, input"
+_SIGNATURE: str = "model, optimizer, x, target"
 _TENSOR_ARGUMENTS: bool = True
 
 

@@ -164,7 +164,7 @@ KERNEL_SOURCES: dict[str, str] = {}
 # scaled(model, x, scale, act), as traced: the positions of its arguments that are not
 # modules, the call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [1, 2, 3]
-_SIGNATURE: str = "module, input, input, input"
+_SIGNATURE: str = "model, x, scale, act"
 _TENSOR_ARGUMENTS: bool = False
 
 

@@ -1922,7 +1922,7 @@ OPTIMIZERS: list[dict[str, "Any"]] = [
 # adamw_step(model, opt, x, target), as traced: the positions of its arguments that are
 # not modules, the call in words, and whether they are all plain tensors.
 _USER_POSITIONS: list[int] = [2, 3]
-_SIGNATURE: str = "module, optimizer, input, input"
+_SIGNATURE: str = "model, opt, x, target"
 _TENSOR_ARGUMENTS: bool = True
 
 

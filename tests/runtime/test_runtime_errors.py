@@ -173,7 +173,7 @@ def test_wrong_arity(forward: Callable[..., object], model: nn.Module) -> None:
         model,
         match=[
             "takes 3 positional arguments",
-            "(module, input, input)",
+            "(model, batch, scale)",
             "got 1",
             "Pass the module(s) and inputs in the order",
         ],
@@ -189,7 +189,7 @@ def test_keyword_arguments(
     message = str(caught.value)
     for text in [
         "positional arguments only",
-        "(module, input, input)",
+        "(model, batch, scale)",
         "['scale']",
         "Pass every argument by position",
     ]:
