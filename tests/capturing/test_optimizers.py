@@ -812,6 +812,27 @@ def test_an_optimizer_of_another_model_is_rejected(
     assert "Build the optimizer from this model's parameters" in message
 
 
+def test_a_parameter_replaced_after_the_optimizer_was_built_is_named(
+    adam_step: Callable[..., object],
+) -> None:
+    # The optimizer holds the old tensor, the model the new one under the same name:
+    # not an optimizer of another model.
+    model = mlp()
+    optimizer = adam(model)
+    head = model[2]
+    assert isinstance(head, nn.Linear)
+    head.weight = nn.Parameter(head.weight.detach().clone())
+    message = rejected(adam_step, model, optimizer, *batch(1))
+    assert message == (
+        "param group 0 of the Adam at argument 1 (`optimizer`) holds tensors the "
+        "model no longer has, where the traced step had the model's ['2.weight']: "
+        "the model holds other tensors under those names now (a parameter replaced "
+        "after the optimizer was built), which the optimizer does not hold. Build "
+        "the optimizer from the model's current parameters, in the traced order, or "
+        "capture again with it."
+    )
+
+
 def deep_mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Linear(4, 4) for _ in range(20)), nn.Linear(4, 3))

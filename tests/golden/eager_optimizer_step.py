@@ -293,7 +293,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 5cf72ec4f6abb6dd913f19cc498ef827885d8bd107848789259a5ee5d0ab8782)
+# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 b53fa02ff89eb0c0b7dddb51f40b35646d6a4e38938baea9e1871c96be3ecc87)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

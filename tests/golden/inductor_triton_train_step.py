@@ -1951,7 +1951,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 27dd89d6826b6bdc0be9a115e006d1f931778d9c05e9f6dc4bb598a663451425)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 141d2cc5227350b2dd963981ea1353de0c4c9d135ee69da8266920cf91c89bd2)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

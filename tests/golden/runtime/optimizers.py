@@ -162,6 +162,17 @@ class _OptimizerArguments:
         names = {
             id(tensor): repr(name) for tensor, name in zip(tensors, self.state_names)
         }
+        replaced = _replaced(params, indices, tensors, names)
+        if replaced:
+            return (
+                f"param group {number} of {subject} holds tensors the model no "
+                f"longer has, where the traced step had the model's "
+                f"{_listed(replaced, str)}: the model holds other tensors under those "
+                "names now (a parameter replaced after the optimizer was built), "
+                "which the optimizer does not hold. Build the optimizer from the "
+                "model's current parameters, in the traced order, or capture again "
+                "with it."
+            )
         foreign = sum(id(param) not in names for param in params)
         held = (
             f"{foreign} of its {len(params)} tensors not in the model: the optimizer "
@@ -528,3 +539,28 @@ def _optimizer_inputs(steps: list[_Step], state: _CheckedState) -> list[torch.Te
 
 def _finish_steps(steps: list[_Step], state: _CheckedState) -> None:
     _optimizers().finish(steps, state.tensors)
+
+
+def _replaced(
+    params: list[torch.Tensor],
+    indices: list[int],
+    tensors: list[torch.Tensor],
+    names: dict[int, str],
+) -> list[str]:
+    """The names of the model's parameters that are other tensors than the ones the
+    optimizer holds in their places, if that is every difference and the others are
+    the model's (a parameter replaced by a new one after the optimizer was built);
+    else []."""
+    if len(params) != len(indices):
+        return []
+    held = {id(param) for param in params}
+    replaced = []
+    for param, index in zip(params, indices):
+        current = tensors[index]
+        if param is current:
+            continue
+        if id(param) in names or id(current) in held:
+            return []  # the model's own tensors, in another order
+        replaced.append(names[id(current)])
+    # Every one of them other: an optimizer built for another model.
+    return replaced if len(replaced) < len(params) else []
