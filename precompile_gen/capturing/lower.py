@@ -84,7 +84,9 @@ def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
     options = _inductor_options(traced)
     with _quiet_cuda_home_guess():
         source, kernels = _inductor_graph(traced, options)
-    source, rewritten_imports = _rewrite_imports(source)
+    source, rewritten_imports = _rewrite_imports(
+        inductor_module.without_cache_folder(source)
+    )
     return _LoweredGraph(
         source=source,
         imports=[],
@@ -275,7 +277,17 @@ def _inductor_graph(
         # AOTAutograd has decomposed the graph with the decompositions of the ambient
         # config; without fallback_random there, rand_like and friends become
         # Inductor's own random ops, which its fallback_random compile refuses.
-        with _INDUCTOR_LOCK, inductor_config.patch(fallback_random=True):
+        # Kernel binaries without line tables: gcc writes the paths of the source
+        # file and of its build folder, in the cache folder, into them, and the same
+        # capture in another cache folder would give other bytes, pins and cache.
+        # (The kernel scan finds the binaries by the key Inductor computes from
+        # this config, so it is the ambient one.)
+        with (
+            _INDUCTOR_LOCK,
+            inductor_config.patch(
+                {"fallback_random": True, "aot_inductor.enable_line_tables": False}
+            ),
+        ):
             # torch's own cache bundle is dropped: it does not hold the kernel
             # binaries, which are what a fresh process would otherwise compile.
             graph_source, _ = aot_autograd.compile_to_python(

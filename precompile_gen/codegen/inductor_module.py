@@ -28,6 +28,19 @@ _CALL = re.compile(r"\s+(\w+)\(")
 # AOTAutograd's code binding Inductor's ``call``, and a top-level ``def call``.
 _INNER_CALL = re.compile(r"^_inner_call = call$", re.MULTILINE)
 _CALL_DEFINITION = re.compile(r"^def call\(", re.MULTILINE)
+# Inductor's comment naming the file a kernel was written to in its cache folder
+# (TORCHINDUCTOR_CACHE_DIR): the folder, then the file's two parts, which are the
+# kernel's own.
+_KERNEL_PATH = re.compile(
+    r"^(# kernel path: ).*/([a-z0-9]{2}/c[a-z0-9]+\.py)$", re.MULTILINE
+)
+
+
+def without_cache_folder(source: str) -> str:
+    """``source`` with each kernel's file named within Inductor's cache folder, not
+    at the capturing machine's path to it: the artifact's text, and so its hash,
+    must not change with where that folder was."""
+    return _KERNEL_PATH.sub(r"\1$TORCHINDUCTOR_CACHE_DIR/\2", source)
 
 
 def unpacked_inputs(source: str) -> list[str]:

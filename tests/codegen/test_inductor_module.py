@@ -93,3 +93,22 @@ def test_the_inputs_names_and_the_redefined_call_are_read_from_the_module() -> N
     inner = source[: source.index("_inner_call = call")]
     assert not inductor_module.redefines_call(inner)
     assert inductor_module.unpacked_inputs("def call(args):\n    pass\n") == []
+
+
+def test_a_kernels_file_is_named_within_the_cache_folder() -> None:
+    # As Inductor writes it above each Triton kernel: the folder is the capturing
+    # machine's, the two parts after it the kernel's own.
+    source = (
+        "import torch\n"
+        "# kernel path: /home/ada/.cache/inductor/os/"
+        "cosvydfpoiemcm7wlbzxkd3765r37ozbekfep7kokjyl3liguuec.py\n"
+        "# Topologically Sorted Source Nodes: [gelu], Original ATen: [aten.gelu]\n"
+        "x = '# kernel path: /home/ada/elsewhere.py'\n"
+    )
+    assert inductor_module.without_cache_folder(source) == (
+        "import torch\n"
+        "# kernel path: $TORCHINDUCTOR_CACHE_DIR/os/"
+        "cosvydfpoiemcm7wlbzxkd3765r37ozbekfep7kokjyl3liguuec.py\n"
+        "# Topologically Sorted Source Nodes: [gelu], Original ATen: [aten.gelu]\n"
+        "x = '# kernel path: /home/ada/elsewhere.py'\n"
+    )

@@ -1,0 +1,55 @@
+"""The same capture gives the same bytes wherever Inductor's cache folder is: no path
+of the capturing machine in the artifact's text (no cache folder, home or temporary
+folder), and kernel binaries without the paths gcc's line tables would write into
+them. Each capture runs in a process of its own, with a cache folder of its own, so
+that each compiles its kernels: C++ kernels, and Triton kernels under Triton's
+interpreter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from helpers.processes import env_with_helpers
+
+HERE = Path(__file__).resolve().parent
+CHILDREN = {
+    "C++": [str(HERE / "reproducible_capture_child.py")],
+    "Triton": [str(HERE.parent / "end_to_end" / "triton_capture_child.py"), "training"],
+}
+
+
+def capture(kind: str, cache_folder: Path, out: Path) -> tuple[str, bytes]:
+    out.mkdir()
+    done = subprocess.run(
+        [sys.executable, *CHILDREN[kind], str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env_with_helpers(TORCHINDUCTOR_CACHE_DIR=str(cache_folder)),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return (out / "code.py").read_text(encoding="utf-8"), (
+        out / "cache.bin"
+    ).read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(CHILDREN))
+def test_two_cache_folders_give_the_same_bytes(kind: str, tmp_path: Path) -> None:
+    first = tmp_path / "inductor-cache"
+    # (Inductor cannot compile C++ in a folder whose path holds a space.)
+    second = tmp_path / "another" / "inductor-cache-elsewhere"
+    code, cache = capture(kind, first, tmp_path / "first")
+    other_code, other_cache = capture(kind, second, tmp_path / "second")
+    for folder in (first, second, tmp_path, Path(tempfile.gettempdir()), Path.home()):
+        assert f"{folder}/" not in code, f"the artifact holds the path {folder}"
+    if kind == "Triton":
+        # Each kernel's file is still named, within the cache folder.
+        assert "# kernel path: $TORCHINDUCTOR_CACHE_DIR/" in code
+    assert other_code == code, "the artifact's text depends on the cache folder"
+    assert other_cache == cache, "the cache depends on the cache folder"
