@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from precompile_gen.capture_result import CaptureResult
-from precompile_gen.runtime.errors import PrecompileError
+from precompile_gen.runtime.errors import PrecompileError, PrecompileIndexError
 from precompile_gen.runtime.load import load, parse_metadata
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "CaptureResult",
     "PrecompileError",
+    "PrecompileIndexError",
     "capture",
     "load",
     "parse_metadata",

@@ -31,6 +31,11 @@ class PrecompileNotImplementedError(PrecompileError, NotImplementedError):
     """A feature the chosen backend or tracer does not provide."""
 
 
+class PrecompileIndexError(PrecompileError, IndexError):
+    """An index out of range, refused before the graph runs: a training loop's
+    ``except IndexError`` catches it as it catches eager's."""
+
+
 # A value read from a damaged or hostile cache can be huge or deeply nested, and repr
 # could recurse through it; messages show such values bounded in length and depth.
 _bounded_repr = reprlib.Repr()

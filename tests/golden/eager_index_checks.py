@@ -205,7 +205,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 5a2f32bfff4c26f518c49a8b9e00851bb613b5373fa660baee60e03247010e09)
+# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 3cbeb27147a75cb6435507ddae7019ae29005ffa9a8a5a520a417abb129f9fdd)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

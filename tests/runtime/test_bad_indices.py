@@ -104,6 +104,11 @@ def test_each_index_is_held_to_the_range_eager_allows() -> None:
         match=["argument 1 (`rows`) holds -6 at (1,)", "-5 <= index < 5"],
     )
     assert "(indexing dim 0)" in message
+    # A training loop's ``except IndexError`` catches it, as it catches eager's.
+    with pytest.raises(IndexError) as caught:
+        forward(table, torch.tensor([0, -6]), columns)
+    assert isinstance(caught.value, pg.PrecompileIndexError)
+    assert isinstance(caught.value, pg.PrecompileError)
     assert_call_rejected(
         forward,
         table,

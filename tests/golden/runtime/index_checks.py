@@ -3,9 +3,24 @@
 # compiled kernel, after the graph has written part of its inputs: the indices the
 # graph takes from the input leaves are checked before it runs (INDEX_CHECKS).
 import functools
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
+
+
+class PrecompileIndexError(PrecompileError, IndexError):
+    """An index out of range (used when precompile_gen is absent): an IndexError, as
+    eager raises, and a PrecompileError."""
+
+
+def _fail_index(message: str) -> NoReturn:
+    # As _fail: precompile_gen's own type where it is installed, imported only here.
+    error_type: type[IndexError]
+    try:
+        from precompile_gen import PrecompileIndexError as error_type
+    except ImportError:
+        error_type = PrecompileIndexError
+    raise error_type(message)
 
 
 def _check_indices(args: tuple[object, ...], leaves: list[object]) -> None:
@@ -15,7 +30,7 @@ def _check_indices(args: tuple[object, ...], leaves: list[object]) -> None:
             names = " and ".join(_call_leaf_name(args, i) for i in sources)
             subject = f"the index the graph computes from {names}" if steps else names
             also = "" if allowed is None else f", or {allowed}"
-            _fail(
+            _fail_index(
                 f"{subject} {problem}, outside {low} <= index < {high}{also}: pass "
                 f"inputs that keep it in that range. The graph indexes with it "
                 f"({what}), which eager PyTorch refuses too (IndexError); nothing "
