@@ -55,6 +55,7 @@ def triton_interpreter() -> Generator[None]:
     variable before Python starts; otherwise this raises PrecompileError saying so.
     Triton functions made inside stay interpreted after it exits.
     """
+    global _entered
     with contextlib.ExitStack() as stack:
         stack.enter_context(_environment("TRITON_INTERPRET", "1"))
         _check_interpreter_on()
@@ -67,7 +68,22 @@ def triton_interpreter() -> Generator[None]:
         stack.enter_context(_interpreter_libdevice())
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=_NO_CPU_BACKEND)
-        yield
+        _entered += 1
+        try:
+            yield
+        finally:
+            _entered -= 1
+
+
+# How many triton_interpreter() blocks are open (they nest).
+_entered = 0
+
+
+def interpreting() -> bool:
+    """Whether this process runs Triton kernels through the interpreter as
+    :func:`triton_interpreter` sets it up: ``load`` refuses a pair made so
+    elsewhere, whose kernels nothing else runs."""
+    return _entered > 0
 
 
 @contextlib.contextmanager

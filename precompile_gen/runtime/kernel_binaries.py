@@ -34,6 +34,7 @@ import logging
 import os
 import platform
 import re
+import sys
 import tempfile
 import threading
 from collections.abc import Iterable
@@ -208,6 +209,25 @@ def make_payload(
         "triton_kernels": list(triton_kernels),
         "triton_interpreted": bool(triton_kernels) and _triton_interpreted(),
     }
+
+
+def refuse_interpreted_elsewhere(payload: object) -> None:
+    """Refuse, before anything executes, a cache whose Triton kernels were made under
+    Triton's interpreter where this process does not run them through it: Triton
+    finds no backend for their CPU tensors, or, with TRITON_INTERPRET=1 alone and
+    not the rest of the set-up, fails inside the first call."""
+    if not isinstance(payload, dict) or payload.get("triton_interpreted") is not True:
+        return
+    testing = sys.modules.get("precompile_gen.testing")
+    if testing is not None and testing.interpreting():
+        return
+    raise PrecompileError(
+        "this pair was made under Triton's interpreter (its cache says so): its "
+        "Triton kernels run on CPU tensors only through the interpreter, with NumPy. "
+        "Load and call it inside precompile_gen.testing.triton_interpreter(), with "
+        "TRITON_INTERPRET=1 set before torch is imported; or capture again without "
+        "the interpreter, for C++ kernels on the CPU or Triton's on a GPU."
+    )
 
 
 def _triton_interpreted() -> bool:

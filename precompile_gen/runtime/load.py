@@ -175,6 +175,7 @@ def load(
     kernel_binaries.check_cache_folder()
     binaries = None
     if artifact is not None:
+        kernel_binaries.refuse_interpreted_elsewhere(artifact)
         binaries = kernel_binaries.prime(
             artifact,
             metadata["KERNEL_BINARIES"],

@@ -188,6 +188,27 @@ def test_kernels_the_interpreter_cannot_run_name_the_context_that_runs_them(
     assert lower._triton_interpreter_error(failure) is None
 
 
+@pytest.mark.parametrize("interpret", ["unset", "set alone"])
+def test_a_pair_made_under_the_interpreter_is_refused_at_load_without_it(
+    inference: Path, interpret: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loaded where its kernels would not run through the interpreter as the context
+    # sets it up: refused before anything executes, saying why and what to do.
+    if interpret == "set alone":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    code = (inference / "code.py").read_text(encoding="utf-8")
+    cache = (inference / "cache.bin").read_bytes()
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.load(code, cache)
+    message = str(caught.value)
+    for text in (
+        "made under Triton's interpreter",
+        "inside precompile_gen.testing.triton_interpreter()",
+        "capture again without the interpreter",
+    ):
+        assert text in message, f"{text!r} not in the message: {message}"
+
+
 def test_verify_says_the_triton_kernels_were_made_for_the_interpreter(
     inference: Path,
 ) -> None:
@@ -203,3 +224,7 @@ def test_verify_says_the_triton_kernels_were_made_for_the_interpreter(
         f"  triton           {counted}; made for Triton's interpreter, which runs "
         "their source: no binary"
     ) in report
+    # And nothing beside it that says otherwise.
+    assert "  kernel binaries  none in the cache\n" in report
+    assert "  kernels          no C++ kernel\n" in report
+    assert "0 files" not in report and "has its binary" not in report
