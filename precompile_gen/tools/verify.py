@@ -64,34 +64,44 @@ def format_report(report: dict[str, Any], artifact: str, cache: str) -> str:
     ]
     binaries = report["kernel_binaries"]
     if binaries is not None:
-        differing = binaries["differs_from_here"]
-        if not differing:
-            here = "they run here (same torch, Python, architecture and CPU capability)"
-        else:
-            here = (
-                f"built elsewhere ({', '.join(differing)} differ): load compiles "
-                "the kernels from source instead"
-            )
-        lines.append(
-            f"  kernel binaries  {binaries['files']} "
-            f"file{'' if binaries['files'] == 1 else 's'}, "
-            f"{binaries['bytes']:,} bytes, sha256 ok, each pinned by the artifact's "
-            f"KERNEL_BINARIES; {here}"
-        )
-        missing = binaries["without_binary"]
-        if differing:
-            pass  # every kernel compiles
-        elif missing:
-            lines.append(
-                f"  kernels          {len(missing)} without a binary in the cache, "
-                f"compiled at load: {', '.join(missing)}"
-            )
-        else:
-            lines.append("  kernels          each has its binary in the cache")
+        lines += _binary_lines(binaries)
         lines += _triton_lines(binaries["triton"])
     elif report["backend"] == "inductor":
         lines.append("  kernel binaries  none: load compiles the kernels from source")
     return "\n".join(lines) + "\n"
+
+
+def _binary_lines(binaries: dict[str, Any]) -> list[str]:
+    """What the report says of the cache's binaries and the C++ kernels."""
+    if not binaries["files"]:
+        return ["  kernel binaries  none in the cache"] + (
+            ["  kernels          no C++ kernel"] if not binaries["cpp_kernels"] else []
+        )
+    differing = binaries["differs_from_here"]
+    if not differing:
+        here = "they run here (same torch, Python, architecture and CPU capability)"
+    else:
+        here = (
+            f"built elsewhere ({', '.join(differing)} differ): load compiles "
+            "the kernels from source instead"
+        )
+    lines = [
+        f"  kernel binaries  {binaries['files']} "
+        f"file{'' if binaries['files'] == 1 else 's'}, "
+        f"{binaries['bytes']:,} bytes, sha256 ok, each pinned by the artifact's "
+        f"KERNEL_BINARIES; {here}"
+    ]
+    missing = binaries["without_binary"]
+    if differing or not binaries["cpp_kernels"]:
+        pass  # every kernel compiles, or the binaries are Triton's alone
+    elif missing:
+        lines.append(
+            f"  kernels          {len(missing)} without a binary in the cache, "
+            f"compiled at load: {', '.join(missing)}"
+        )
+    else:
+        lines.append("  kernels          each C++ kernel has its binary in the cache")
+    return lines
 
 
 def _triton_lines(triton: dict[str, Any]) -> list[str]:
@@ -120,17 +130,24 @@ def _signature_state(envelope: dict[str, Any], key: bytes | None) -> str:
     return "none (the pair was not signed)"
 
 
+def _cpp_kernels(python_code: str) -> list[Any]:
+    return [
+        kernel
+        for kernel in find_kernels(parse_artifact(python_code).body)
+        if kernel.kind == "cpp_pybinding"
+    ]
+
+
 def _kernels_without_binary(
-    python_code: str, sources: object, files: dict[str, bytes]
+    kernels: list[Any], sources: object, files: dict[str, bytes]
 ) -> list[str]:
-    """The C++ kernels of the artifact that the cache brings no binary for (by
+    """The C++ ``kernels`` of the artifact that the cache brings no binary for (by
     KERNEL_SOURCES): load compiles those."""
     binaries = sources if isinstance(sources, dict) else {}
     return [
         kernel.name
-        for kernel in find_kernels(parse_artifact(python_code).body)
-        if kernel.kind == "cpp_pybinding"
-        and binaries.get(source_digest(kernel.source)) not in files
+        for kernel in kernels
+        if binaries.get(source_digest(kernel.source)) not in files
     ]
 
 
@@ -153,12 +170,14 @@ def _check_binaries(
         )
     files = payload["files"]
     here = kernel_binaries.build_fingerprint()
+    cpp_kernels = _cpp_kernels(python_code)
     return {
         "files": len(files),
         "bytes": sum(len(data) for data in files.values()),
         "differs_from_here": kernel_binaries.differing_build(payload, here),
+        "cpp_kernels": len(cpp_kernels),
         "without_binary": _kernels_without_binary(
-            python_code, metadata["KERNEL_SOURCES"], files
+            cpp_kernels, metadata["KERNEL_SOURCES"], files
         ),
         "triton": {
             "kernels": list(payload.get("triton_kernels") or []),

@@ -565,7 +565,7 @@ def test_verify_checks_the_kernel_binaries_digests(
     )
     result, out, err = _cli(capsys, "verify", sourced_step, sourced_cache)
     assert result == 0, err
-    assert "kernels          each has its binary in the cache" in out
+    assert "kernels          each C++ kernel has its binary in the cache" in out
     result, out, err = _cli(capsys, "verify", step, str(tmp_path / "bare.cache"))
     assert result == 0, err
     assert "kernel binaries  none: load compiles the kernels from source" in out
