@@ -29,7 +29,7 @@ from precompile_gen.capture_result import (
     Strides,
     TensorLiteral,
 )
-from precompile_gen.capturing import data_parallel, update_order
+from precompile_gen.capturing import data_parallel, kernel_builds, update_order
 from precompile_gen.capturing.trace import TracedGraph
 from precompile_gen.codegen import inductor_imports, inductor_module, layout
 from precompile_gen.runtime import kernel_binaries
@@ -277,16 +277,10 @@ def _inductor_graph(
         # AOTAutograd has decomposed the graph with the decompositions of the ambient
         # config; without fallback_random there, rand_like and friends become
         # Inductor's own random ops, which its fallback_random compile refuses.
-        # Kernel binaries without line tables: gcc writes the paths of the source
-        # file and of its build folder, in the cache folder, into them, and the same
-        # capture in another cache folder would give other bytes, pins and cache.
-        # (The kernel scan finds the binaries by the key Inductor computes from
-        # this config, so it is the ambient one.)
         with (
             _INDUCTOR_LOCK,
-            inductor_config.patch(
-                {"fallback_random": True, "aot_inductor.enable_line_tables": False}
-            ),
+            inductor_config.patch(fallback_random=True),
+            kernel_builds.reproducible(),
         ):
             # torch's own cache bundle is dropped: it does not hold the kernel
             # binaries, which are what a fresh process would otherwise compile.

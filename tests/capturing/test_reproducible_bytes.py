@@ -1,9 +1,9 @@
 """The same capture gives the same bytes wherever Inductor's cache folder is: no path
 of the capturing machine in the artifact's text (no cache folder, home or temporary
-folder), and kernel binaries without the paths gcc's line tables would write into
-them. Each capture runs in a process of its own, with a cache folder of its own, so
-that each compiles its kernels: C++ kernels, and Triton kernels under Triton's
-interpreter."""
+folder), and kernel binaries without the paths gcc's line tables and ``__FILE__``
+would write into them (``capturing/kernel_builds.py``). Each capture runs in a
+process of its own, with a cache folder of its own, so that each compiles its
+kernels: C++ kernels, and Triton kernels under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -53,3 +53,7 @@ def test_two_cache_folders_give_the_same_bytes(kind: str, tmp_path: Path) -> Non
         assert "# kernel path: $TORCHINDUCTOR_CACHE_DIR/" in code
     assert other_code == code, "the artifact's text depends on the cache folder"
     assert other_cache == cache, "the cache depends on the cache folder"
+    if kind == "C++":
+        # A loss that checks its targets' bounds in a kernel: a value check whose
+        # message names its source file, which is in the cache folder.
+        assert "TORCH_CHECK(" in code
