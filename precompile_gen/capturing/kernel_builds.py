@@ -78,3 +78,46 @@ def _names_files(compiler: str) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return done.returncode == 0 and "__FILE_NAME__" not in done.stdout
+
+
+def toolchain() -> dict[str, str]:
+    """What built the C++ kernels, for the cache to record and ``verify --rebuild`` to
+    compare: the compiler and its version, the flags this module adds, the vector
+    instruction set Inductor compiles for, and Triton's version where it is
+    installed."""
+    from torch._inductor import cpp_builder
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    compiler = cpp_builder.get_cpp_compiler()
+    flags = _FILE_NAME_FLAGS if _names_files(compiler) else []
+    return {
+        "compiler": compiler,
+        "compiler_version": _version(compiler),
+        "line_tables": "off",
+        "flags": " ".join(f"-{flag}" for flag in flags) or "none",
+        "vec_isa": str(pick_vec_isa()) or "none",
+        "triton": _triton_version(),
+    }
+
+
+@functools.cache
+def _version(compiler: str) -> str:
+    try:
+        done = subprocess.run(
+            [compiler, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"unknown ({type(error).__name__})"
+    return (done.stdout.splitlines() or ["unknown"])[0].strip()
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return str(triton.__version__)

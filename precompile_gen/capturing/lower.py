@@ -288,7 +288,9 @@ def _inductor_graph(
                 traced.gm, traced.flat_args, options=options
             )
             with timings.stage("cache"):
-                return graph_source, kernel_binaries.collect(graph_source)
+                return graph_source, kernel_binaries.collect(
+                    graph_source, kernel_builds.toolchain()
+                )
     except PrecompileError:
         raise
     except Exception as error:

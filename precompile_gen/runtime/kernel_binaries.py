@@ -95,7 +95,7 @@ class Collected(NamedTuple):
     triton_kernels: list[str]
 
 
-def collect(graph_source: str) -> Collected:
+def collect(graph_source: str, toolchain: dict[str, str]) -> Collected:
     """The payload carrying every kernel binary ``graph_source`` loads, the
     artifact's KERNEL_SOURCES and the module's Triton kernels.
 
@@ -130,7 +130,7 @@ def collect(graph_source: str) -> Collected:
         key, path = original_write(content, extension, extra, *args, **kwargs)
         if extension == "main.cpp" and kernel_source:
             source = kernel_source.pop()
-            binary = Path(_binary_path(path))
+            binary = Path(binary_path(path))
             name = binary.relative_to(root).as_posix()
             sources[hashlib.sha256(source.encode()).hexdigest()] = name
             files[name] = binary.read_bytes() if binary.is_file() else b""
@@ -152,7 +152,8 @@ def collect(graph_source: str) -> Collected:
     sources = {digest: name for digest, name in sources.items() if name in files}
     if triton_kernels and not _triton_interpreted():
         files.update(triton_files(namespace.get(name) for name in triton_kernels))
-    return Collected(make_payload(files, triton_kernels), sources, triton_kernels)
+    payload = make_payload(files, triton_kernels, toolchain)
+    return Collected(payload, sources, triton_kernels)
 
 
 def triton_files(kernels: Iterable[object]) -> dict[str, bytes]:
@@ -191,13 +192,17 @@ def triton_folder(device: str) -> str:
 
 
 def make_payload(
-    files: dict[str, bytes], triton_kernels: list[str]
+    files: dict[str, bytes],
+    triton_kernels: list[str],
+    toolchain: dict[str, str] | None = None,
 ) -> dict[str, object]:
     """The cache's payload for kernel ``files`` (by payload name) and the module's
-    Triton kernels, with this environment's build fingerprint."""
+    Triton kernels, with this environment's build fingerprint and the ``toolchain``
+    that built them (``kernel_builds.toolchain``), for a rebuild to compare with."""
     return {
         "kind": PAYLOAD_KIND,
         "build": build_fingerprint(),
+        "toolchain": dict(toolchain or {}),
         "files": files,
         "sha256": {
             name: hashlib.sha256(data).hexdigest() for name, data in files.items()
@@ -444,5 +449,6 @@ def differing_build(payload: dict[str, object], here: dict[str, str]) -> list[st
     return [key for key in here if built.get(key) != here[key]]
 
 
-def _binary_path(source_path: str) -> str:
+def binary_path(source_path: str) -> str:
+    """The binary Inductor builds from the C++ source at ``source_path``."""
     return source_path.removesuffix(".cpp") + ".so"

@@ -51,10 +51,13 @@ examples:
   precompile-gen verify step.py step.cache
   precompile-gen verify step.py step.cache --key-file secret.key
   PRECOMPILE_KEY=... precompile-gen verify step.py step.cache --key-env PRECOMPILE_KEY
+  precompile-gen verify --rebuild step.py step.cache
 
 Exits 0 when the pair belongs together, 1 with the reason otherwise. Neither file is
 executed. The key is read from a file or an environment variable, never from the
-command line, where other users of the machine could see it.
+command line, where other users of the machine could see it. --rebuild compiles the
+artifact's C++ kernels again (the compiler runs on their source, nothing of the pair
+is executed) and exits 1 if a binary in the cache is not what its kernel builds to.
 """
 
 _DIFF_EPILOG = """\
@@ -121,7 +124,13 @@ def _verify(args: argparse.Namespace) -> int:
     cache = _read_bytes(args.cache, "cache")
     report = verify_pair(text, cache, key=_key(args))
     sys.stdout.write(format_report(report, args.artifact, args.cache))
-    return 0
+    if not args.rebuild:
+        return 0
+    from precompile_gen.tools import rebuild
+
+    rebuilt = rebuild.rebuild_report(text, cache)
+    sys.stdout.write(rebuild.format_rebuild(rebuilt))
+    return 0 if rebuild.matches(rebuilt) else 1
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -270,6 +279,15 @@ def _add_verify(commands: _Commands) -> None:
         "--key-env",
         metavar="NAME",
         help="environment variable holding the signing key (as UTF-8 text)",
+    )
+    verify.add_argument(
+        "--rebuild",
+        action="store_true",
+        help=(
+            "also compile the artifact's C++ kernels from its own text, in a fresh "
+            "folder, and check each binary in the cache against the artifact's pins "
+            "(exit 1 if one differs)"
+        ),
     )
     verify.set_defaults(run=_verify)
 
