@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.fx.experimental import proxy_tensor
 
-from precompile_gen.capturing import data_dependent, update_order
+from precompile_gen.capturing import data_dependent, python_state, update_order
 from precompile_gen.runtime.errors import PrecompileError
 
 _FIX = (
@@ -82,7 +82,7 @@ def recording() -> Generator[Recorded]:
     recorded = Recorded()
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in _recorders(recorded):
-            stack.enter_context(_patched(owner, name, replacement))
+            stack.enter_context(python_state.patched(owner, name, replacement))
         yield recorded
 
 
@@ -139,16 +139,6 @@ def _cuda_name(device: int | str | torch.device) -> str:
     device = torch.device(device) if not isinstance(device, int) else device
     index = device if isinstance(device, int) else device.index
     return f"cuda:{torch.cuda.current_device() if index is None else index}"
-
-
-@contextlib.contextmanager
-def _patched(owner: object, name: str, replacement: object) -> Generator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 # --- Following the generators through the graph -------------------------------------

@@ -219,7 +219,7 @@ def _dynamo_pass(
     entry, run_eagerly = _pass_entry(copied_fn), _pass_backend()
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in patches:
-            stack.enter_context(_patched(owner, name, replacement))
+            stack.enter_context(patched(owner, name, replacement))
         stack.enter_context(
             torch._dynamo.config.patch(
                 # make_fx builds every number into the graph: so must the guards.
@@ -343,7 +343,8 @@ def _distribution_validation_kept() -> Generator[None]:
 
 
 @contextlib.contextmanager
-def _patched(owner: object, name: str, replacement: object) -> Generator[None]:
+def patched(owner: object, name: str, replacement: object) -> Generator[None]:
+    """``owner.name`` is ``replacement`` while the block runs."""
     original = getattr(owner, name)
     setattr(owner, name, replacement)
     try:
@@ -727,7 +728,7 @@ def refusing_python_rng(fn: object) -> Generator[None]:
         ]
     with contextlib.ExitStack() as stack:
         for owner, name, label in targets:
-            stack.enter_context(_patched(owner, name, _refuser(fn, label)))
+            stack.enter_context(patched(owner, name, _refuser(fn, label)))
         try:
             yield
         finally:
