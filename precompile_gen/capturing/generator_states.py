@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,12 +67,23 @@ class Recorded:
     def note(self, kind: str, device: str, value: object) -> None:
         mode = proxy_tensor.get_proxy_mode()
         if mode is not None:
-            after = next(reversed(mode.tracer.graph.nodes), None)
+            after = _last_kept(mode.tracer.graph)
         else:
             # Tracing paused (no op is recorded meanwhile): where the last event was.
             after = self.events[-1].after if self.events else None
         line = data_dependent.user_line(code=False)
         self.events.append(_Event(kind, device, after, line, value))
+
+
+def _last_kept(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The graph's last node that the trace keeps: a symbolic trace erases the
+    nodes of size arithmetic nothing reads (``sym_size``, ``eq``) when it ends."""
+    for node in reversed(graph.nodes):
+        if not isinstance(
+            node.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat)
+        ):
+            return node
+    return None
 
 
 @contextlib.contextmanager
@@ -188,20 +199,39 @@ def _follow(graph: torch.fx.Graph, recorded: Recorded, fn_name: str) -> _Replays
         for event in events:
             _apply_event(event, stream(event.device), saved, fn_name)
 
-    apply(after.get(None, []))
+    apply(after.pop(None, []))
     for node in graph.nodes:
         if _draws(node):
             _apply_draw(node, stream(_device(node)), replays, fn_name)
-        apply(after.get(node, []))
-    for s in streams.values():
-        if s.current != s.graph:
+        apply(after.pop(node, []))
+    _check_ends(streams, after, fn_name)
+    return replays
+
+
+def _check_ends(
+    streams: dict[str, _Stream],
+    unplaced: dict[torch.fx.Node | None, list[_Event]],
+    fn_name: str,
+) -> None:
+    """Refuse a trace whose generators end elsewhere than the graph leaves them, or
+    whose events lost their place in it."""
+    if unplaced:
+        # An event's place was erased from the graph: following the generators
+        # without it could pair the wrong draws.
+        raise PrecompileError(
+            f"capture lost track of where {fn_name!r} saved or restored torch's "
+            "generator state in the graph, so it cannot make activation "
+            "checkpointing's recompute draw what the forward drew. Capture without "
+            "mark_unbacked dims, or without checkpointing the region that draws."
+        )
+    for stream in streams.values():
+        if stream.current != stream.graph:
             raise _unrepeatable(
                 fn_name,
-                s.moved_by,
+                stream.moved_by,
                 "ends the call with the generator elsewhere than the draws the graph "
                 "makes would leave it",
             )
-    return replays
 
 
 def _apply_event(
@@ -286,7 +316,7 @@ def _signature(node: torch.fx.Node) -> tuple[object, ...]:
         if isinstance(argument, torch.fx.Node):
             value = argument.meta.get("val")
             if isinstance(value, torch.Tensor):
-                return (tuple(value.shape), value.dtype, str(value.device))
+                return (_sizes(value.shape), value.dtype, str(value.device))
             return repr(value)
         if isinstance(argument, (list, tuple)):
             return tuple(describe(a) for a in argument)
@@ -403,9 +433,15 @@ def _same_layout(a: object, b: object) -> bool:
     return (
         isinstance(x, torch.Tensor)
         and isinstance(y, torch.Tensor)
-        and (x.shape, x.stride(), x.dtype, x.device)
-        == (y.shape, y.stride(), y.dtype, y.device)
+        and (_sizes(x.shape), _sizes(x.stride()), x.dtype, x.device)
+        == (_sizes(y.shape), _sizes(y.stride()), y.dtype, y.device)
     )
+
+
+def _sizes(sizes: Sequence[int | torch.SymInt]) -> tuple[str, ...]:
+    # A mark_unbacked dim is a symbol: equal where it is the same one, compared as
+    # text, which asks the shape environment nothing (nor records a guard).
+    return tuple(str(size) for size in sizes)
 
 
 def _same_argument(a: object, b: object, read: set[torch.fx.Node]) -> bool:

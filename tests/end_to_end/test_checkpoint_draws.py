@@ -30,6 +30,7 @@ from helpers import model_zoo
 from helpers.source_lines import line_of
 from helpers.state_snapshot import StateSnapshot
 from torch import nn
+from torch._dynamo.decorators import mark_unbacked
 from torch.nn import functional as F
 from torch.utils import checkpoint as ckpt
 
@@ -379,6 +380,35 @@ def assert_close_at_scale(got: object, want: object, what: str) -> None:
         atol=ATOL_OF_SCALE * scale,
         msg=lambda detail: f"{what}: {detail}",
     )
+
+
+def backward_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def test_a_checkpointed_dropout_with_an_unbacked_batch_dim_draws_what_eager_draws() -> (
+    None
+):
+    # A symbolic trace, whose generator events are placed among the ops it keeps.
+    # (An optimizer step is not captured with mark_unbacked dims.)
+    case = CASES["non-reentrant"]
+    model, twin = case.model(), case.model()
+    x = batch(0)
+    mark_unbacked(x, 0, min=1, max=64)
+    forward = pg.load(*pg.precompile(backward_step, model, x, backend="inductor"))
+    for rows in (3, 9):
+        other = torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows))
+        torch.manual_seed(rows)
+        got, got_state = forward(model, other), torch.get_rng_state()
+        torch.manual_seed(rows)
+        expected = backward_step(twin, other)
+        assert torch.equal(got_state, torch.get_rng_state()), f"batch {rows}"
+        assert_close_at_scale(got, expected, f"batch {rows}, loss")
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        twin_grads = {n: p.grad for n, p in twin.named_parameters()}
+        assert_close_at_scale(grads, twin_grads, f"batch {rows}, grads")
 
 
 # --- What the artifact cannot repeat is refused ---------------------------------------
