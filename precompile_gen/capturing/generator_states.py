@@ -114,7 +114,7 @@ def _recorders(recorded: Recorded) -> list[tuple[object, str, Callable[..., Any]
     def manual_seed(seed: int) -> torch.Generator:
         # torch.manual_seed seeds every device's default generator.
         for device in ("cpu", *_cuda_devices()):
-            recorded.note("seed", device, int(seed))
+            recorded.note("seed", device, seed)
         return seed_cpu(seed)
 
     def cuda_get_rng_state(device: int | str | torch.device = "cuda") -> torch.Tensor:

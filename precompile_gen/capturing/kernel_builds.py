@@ -120,4 +120,4 @@ def _triton_version() -> str:
         import triton
     except ImportError:
         return "not installed"
-    return str(triton.__version__)
+    return triton.__version__
