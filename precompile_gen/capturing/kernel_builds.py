@@ -11,17 +11,34 @@ and another cache:
 - ``__FILE__``, which a kernel's value checks (``TORCH_CHECK`` on an index's bounds)
   and torch's headers write into their error messages: it is made the file's name
   alone (``__FILE_NAME__``), where the compiler has that macro (gcc 12, clang 9),
-  which also keeps torch's install path out of it.
+  which also keeps torch's install path out of it;
+- the file's name, which the compiler writes into the binary (its static
+  initialiser's symbol): Inductor names each source by a key over its text and the
+  compiler's command line, which holds torch's and Python's install paths. Under
+  ``reproducible()`` the key is computed over the command line with those paths
+  named instead (``$TORCH``, ``$PYTHON``) and torch's version added, so that the
+  same torch installed in another folder builds the same files, while another
+  torch sharing the cache folder still misses.
 
 Lowering compiles under ``reproducible()``, and so does the kernel scan, which
 finds each binary by the key Inductor computes from the same flags.
+
+Triton's kernels for a GPU carry line tables that name the kernel's source file, in
+Inductor's cache folder, in every form Triton keeps (the cubin included). The scan
+builds each again without them (``triton_without_line_info``), from the source
+Triton was given: Inductor's launcher keeps only the binary, so ``reproducible()``
+records each kernel's source as Triton compiles it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
 import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Generator
 from typing import Any
 from unittest import mock
@@ -35,8 +52,8 @@ _FILE_NAME_FLAGS = ["Wno-builtin-macro-redefined", "D__FILE__=__FILE_NAME__"]
 def reproducible() -> Generator[None]:
     """Inductor's C++ kernels, while the block runs, built as the module docstring
     says."""
+    from torch._inductor import codecache, cpp_builder
     from torch._inductor import config as inductor_config
-    from torch._inductor import cpp_builder
 
     flags = _FILE_NAME_FLAGS if _names_files(cpp_builder.get_cpp_compiler()) else []
     optimization_cflags = cpp_builder._get_optimization_cflags
@@ -47,6 +64,8 @@ def reproducible() -> Generator[None]:
             "_get_optimization_cflags",
             _with_flags(optimization_cflags, flags),
         ),
+        mock.patch.object(codecache, "write", _keyed_without_paths(codecache.write)),
+        _triton_sources_recorded(),
     ):
         yield
 
@@ -61,6 +80,47 @@ def _with_flags(
         return [*compile_flags, *extra], link_flags
 
     return with_flags
+
+
+# The sources Inductor keys on its compiler's command line.
+_KEYED_ON_COMMAND_LINE = frozenset({"main.cpp", "optimized.cpp"})
+
+
+def _keyed_without_paths(
+    write: Callable[..., tuple[str, str]],
+) -> Callable[..., tuple[str, str]]:
+    # ``write(content, extension, extra)`` names the file by a key over content and
+    # extra; for C++ sources, extra is the command line.
+    def keyed_write(
+        content: Any, extension: str, extra: str = "", *args: Any, **kwargs: Any
+    ) -> tuple[str, str]:
+        if extension in _KEYED_ON_COMMAND_LINE:
+            extra = _install_paths_named(extra)
+        return write(content, extension, extra, *args, **kwargs)
+
+    return keyed_write
+
+
+def _install_paths_named(command_line: str) -> str:
+    """``command_line`` with torch's and Python's install folders named, and torch's
+    version added: what a kernel's file name is keyed on."""
+    import torch
+
+    for folder, name in _install_folders():
+        command_line = command_line.replace(folder, name)
+    return f"{command_line} torch=={torch.__version__} ({torch.version.git_version})"
+
+
+@functools.cache
+def _install_folders() -> tuple[tuple[str, str], ...]:
+    import torch
+
+    folders = {os.path.dirname(os.path.abspath(torch.__file__)): "$TORCH"}
+    # Python's headers and library lie under its prefixes.
+    for prefix in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix):
+        folders.setdefault(prefix, "$PYTHON")
+    # The longest first: torch's folder lies inside Python's.
+    return tuple(sorted(folders.items(), key=lambda item: -len(item[0])))
 
 
 @functools.cache
@@ -121,3 +181,79 @@ def _triton_version() -> str:
     except ImportError:
         return "not installed"
     return triton.__version__
+
+
+# Triton's cache key holds the settings that change what it builds; this one changes
+# only the line tables, and a loading process does not set it.
+_LINE_INFO_SETTING = "TRITON_DISABLE_LINE_INFO"
+
+
+# Each Triton kernel compiled under ``reproducible()`` in this process, by its hash:
+# the source Triton was given and the metadata it wrote.
+_TRITON_SOURCES: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+
+@contextlib.contextmanager
+def _triton_sources_recorded() -> Generator[None]:
+    try:
+        from triton import knobs
+    except ImportError:
+        yield
+        return
+    previous = knobs.compilation.listener
+
+    def listener(*, src: Any, metadata: dict[str, Any], **report: Any) -> None:
+        _TRITON_SOURCES[str(metadata["hash"])] = (src, metadata)
+        if previous is not None:
+            previous(src=src, metadata=metadata, **report)
+
+    knobs.compilation.listener = listener
+    try:
+        yield
+    finally:
+        knobs.compilation.listener = previous
+
+
+def triton_without_line_info(compiled: Any) -> dict[str, bytes] | None:
+    """The files of Triton's cache folder for ``compiled`` (a ``CompiledKernel``, or
+    the launcher Inductor keeps in its place), built again from its source for its
+    target and options without line tables, and keyed as ``compiled`` is: the
+    metadata names ``compiled``'s hash and not the setting, which is what Triton
+    writes for a build with line tables. None where neither the kernel nor the
+    record holds its source."""
+    import triton
+    from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
+    from triton import knobs
+
+    from precompile_gen.runtime.kernel_binaries import folder_files
+
+    if compiled.hash in _TRITON_SOURCES:
+        source, written_metadata = _TRITON_SOURCES[compiled.hash]
+    elif hasattr(compiled, "src") and hasattr(compiled, "metadata"):
+        source, written_metadata = compiled.src, compiled.metadata._asdict()
+    else:
+        return None
+    # The options as Triton parsed them, which its metadata holds as JSON lists.
+    metadata = {name: _tuples(value) for name, value in written_metadata.items()}
+    with (
+        tempfile.TemporaryDirectory() as scratch,
+        knobs.cache.scope(),
+        knobs.compilation.scope(),
+    ):
+        knobs.cache.dir = scratch
+        knobs.compilation.disable_line_info = True
+        again = triton.compile(source, target=metadata["target"], options=metadata)
+        files = folder_files(os.path.join(scratch, triton_hash_to_path_key(again.hash)))
+    for name, data in files.items():
+        if name.endswith(".json") and not name.startswith("__grp__"):
+            written = json.loads(data)
+            written["hash"] = compiled.hash
+            written.pop(_LINE_INFO_SETTING, None)
+            files[name] = json.dumps(written).encode()
+    return files
+
+
+def _tuples(value: object) -> object:
+    if isinstance(value, list | tuple):
+        return tuple(_tuples(item) for item in value)
+    return value

@@ -159,8 +159,16 @@ def collect(graph_source: str, toolchain: dict[str, str]) -> Collected:
 def triton_files(kernels: Iterable[object]) -> dict[str, bytes]:
     """The files of Triton's cache folder for each compiled configuration of
     ``kernels`` (Inductor's ``CachingAutotuner``s, as its module binds them), by
-    payload name, with each folder's path in their metadata replaced."""
+    payload name, with each folder's path in their metadata replaced.
+
+    Each configuration is built once more without line tables, which would name the
+    kernel's source file in Inductor's cache folder, and filed under the key Triton
+    computes for it in a loading process (``kernel_builds.triton_without_line_info``).
+    """
+    # The scan runs at capture, which has Triton's compiler.
     from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
+
+    from precompile_gen.capturing import kernel_builds
 
     files: dict[str, bytes] = {}
     for kernel in kernels:
@@ -170,16 +178,27 @@ def triton_files(kernels: Iterable[object]) -> dict[str, bytes]:
         device = str(triton_meta.get("device", 0))
         for result in getattr(kernel, "compile_results", ()):
             key = triton_hash_to_path_key(result.kernel.hash)
-            # Spelled as Triton spells it in the metadata.
-            folder = os.path.join(triton_folder(device), key)
-            paths = sorted(Path(folder).iterdir()) if os.path.isdir(folder) else []
-            for path in paths:
-                name = f"triton/{device}/{key}/{path.name}"
-                if path.is_file() and _BINARY_PATH.fullmatch(name):
-                    data = path.read_bytes()
-                    if path.suffix == ".json":
-                        data = data.replace(folder.encode(), _TRITON_FOLDER)
+            built = kernel_builds.triton_without_line_info(result.kernel)
+            if built is None:
+                # Spelled as Triton spells it in the metadata.
+                built = folder_files(os.path.join(triton_folder(device), key))
+            for file_name, data in built.items():
+                name = f"triton/{device}/{key}/{file_name}"
+                if _BINARY_PATH.fullmatch(name):
                     files[name] = data
+    return files
+
+
+def folder_files(folder: str) -> dict[str, bytes]:
+    """The files of one kernel's folder in Triton's cache, by name, with the folder's
+    path in their metadata replaced."""
+    files: dict[str, bytes] = {}
+    for path in sorted(Path(folder).iterdir()) if os.path.isdir(folder) else []:
+        if path.is_file():
+            data = path.read_bytes()
+            if path.suffix == ".json":
+                data = data.replace(folder.encode(), _TRITON_FOLDER)
+            files[path.name] = data
     return files
 
 

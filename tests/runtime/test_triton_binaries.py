@@ -53,14 +53,23 @@ def _child(*arguments: str, **env: str) -> str:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     folder = tmp_path_factory.mktemp("triton_capture")
+    payload = _record(folder)
+    payload["capture_folder"] = str(folder)
+    return payload
+
+
+def _record(folder: Path, *launcher: str) -> dict[str, object]:
+    """The payload a capture in ``folder`` (Inductor's and Triton's cache folders
+    inside it) carries for the kernel."""
     _child(
         "record",
         str(folder / "payload.pt"),
+        *launcher,
+        TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor"),
         TRITON_CACHE_DIR=str(folder / "triton"),
     )
     payload = torch.load(folder / "payload.pt", weights_only=True)
     assert isinstance(payload, dict)
-    payload["capture_folder"] = str(folder)
     return payload
 
 
@@ -116,6 +125,26 @@ def test_the_artifact_pins_each_file_by_sha256(recorded: dict[str, object]) -> N
         name: hashlib.sha256(data).hexdigest() for name, data in _files(payload).items()
     }
     assert kernel_binaries.unpinned(payload, pinned) is None
+
+
+def test_two_cache_folders_give_the_same_files_and_name_neither(
+    recorded: dict[str, object], tmp_path: Path
+) -> None:
+    # The kernel's source file lies in Inductor's cache folder, and line tables would
+    # name it in every form Triton keeps, the cubin included. The second capture's
+    # kernel is bound to a launcher that keeps no source, as Inductor's static
+    # launcher does on a GPU.
+    elsewhere = tmp_path / "another" / "capture"
+    elsewhere.mkdir(parents=True)
+    again = _record(elsewhere, "launcher")
+    assert _files(again) == _files(_payload(recorded))
+    assert again["sha256"] == recorded["sha256"]
+    for folder in (str(recorded["capture_folder"]), str(elsewhere)):
+        named = [
+            name for name, data in _files(again).items() if folder.encode() in data
+        ]
+        assert not named, f"{named} name {folder}"
+    assert any(name.endswith(".cubin") for name in _files(again))
 
 
 def test_load_writes_the_folder_where_triton_finds_it_and_triton_compiles_nothing(
