@@ -11,8 +11,9 @@ capture on deep copies of the arguments, with numbers specialised as make_fx doe
 each guard that pins a plain value says where the value came from (its source) and
 what it was. Dynamo also tracks every mutation of an object that existed before the
 call, which is how effects are found, before the frame that makes them runs. The
-loading process never sees Dynamo: it reads the values by their paths
-(``convention.python_value_paths``) and compares their ``repr``.
+loading process never sees Dynamo: it reads the values by their paths (the artifact's
+``PYTHON_VALUES``, checked by the runtime support's ``_python_values_hold``) and
+compares their ``repr``.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@
 # (torch/_functorch/_aot_autograd/to_standalone_python.py), not in this file.
 #
 # Only its imports from torch._inductor are rewritten, so that running it imports
-# none of Inductor's compiler (README, "Loading without the compiler"):
+# none of Inductor's compiler (docs/guide/cache.md, "Loading without the compiler"):
 #   from torch._inductor.hooks import run_intermediate_hooks
 #     -> (dropped: the module does not use it)
 #   from torch._inductor.utils import maybe_profile
