@@ -1,8 +1,8 @@
-"""How a capture's C++ kernels are built: to the same bytes wherever Inductor's cache
-folder is.
+"""How a capture's kernels are built: to the same bytes wherever Inductor's cache
+folder is, and wherever torch is installed.
 
 Inductor writes each kernel's source into its cache folder and has the compiler
-build it there, and two things carried the folder's path into the binary, so that
+build it there, and three things carried a folder's path into the binary, so that
 the same capture in another folder gave other binaries, other pins in the artifact
 and another cache:
 
