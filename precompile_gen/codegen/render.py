@@ -393,12 +393,12 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
 
 
 def _kernel_entry(kernel: KernelEntry) -> str:
-    ops = (
-        ", ".join(op.removeprefix("aten.") for op in kernel.aten_ops)
-        if kernel.aten_ops
-        else "(Inductor's module names no ATen op for it)"
-    )
-    return f"{kernel.lines} lines: {ops}"
+    # Inductor comments the call of a C++ kernel only where no other call's comment
+    # takes its ops: most rows on CPU give the size alone.
+    size = f"{kernel.lines} lines"
+    if not kernel.aten_ops:
+        return size
+    return f"{size}: {', '.join(op.removeprefix('aten.') for op in kernel.aten_ops)}"
 
 
 def _input_roles(cap: CaptureResult) -> list[str]:

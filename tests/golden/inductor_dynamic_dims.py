@@ -37,10 +37,10 @@
 # `[*params, *buffers, *user_input_leaves]` and returns the function's flat outputs
 # followed by the harvested parameter gradients.
 #
-# Its kernels, in the order it defines them, with the size of each definition and
-# the ATen ops Inductor's comments say each computes:
+# Its kernels, in the order it defines them, with the size of each definition and,
+# where Inductor's comments name them, the ATen ops each computes:
 #   cpp_fused_relu_0
-#       29 lines: (Inductor's module names no ATen op for it)
+#       29 lines
 #
 # Inductor names the graph's inputs by position (`arg0_1`, ...); they are, in the
 # order the driver passes them:

@@ -42,8 +42,8 @@
 # parameters and the optimizer state in place, and returns the function's flat
 # outputs followed by the harvested parameter gradients.
 #
-# Its kernels, in the order it defines them, with the size of each definition and
-# the ATen ops Inductor's comments say each computes:
+# Its kernels, in the order it defines them, with the size of each definition and,
+# where Inductor's comments name them, the ATen ops each computes:
 #   triton_per_fused_gelu_native_layer_norm_0
 #       66 lines: native_layer_norm, gelu
 #   triton_per_fused_mse_loss_mse_loss_backward_1
