@@ -129,6 +129,12 @@ def unedited_stubs() -> dict[tuple[str, Backend], str]:
     return _stub_artifacts()
 
 
+@pytest.fixture(scope="module")
+def captures() -> dict[str, pg.CaptureResult]:
+    """Each golden's capture, made once: every edited part renders them all again."""
+    return {name: case() for name, case in CASES.items()}
+
+
 @pytest.fixture(params=sorted(render.RUNTIME_PARTS))
 def edited_part(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -148,7 +154,9 @@ def edited_part(
 
 
 def test_a_runtime_change_changes_only_the_runtime_golden(
-    unedited_stubs: dict[tuple[str, Backend], str], edited_part: str
+    unedited_stubs: dict[tuple[str, Backend], str],
+    captures: dict[str, pg.CaptureResult],
+    edited_part: str,
 ) -> None:
     # The goldens, and the stubs (which carry every part), rendered again.
     pinned = {
@@ -159,7 +167,7 @@ def test_a_runtime_change_changes_only_the_runtime_golden(
         },
     }
     rendered = {
-        **{name: pg.render_artifact(case()) for name, case in CASES.items()},
+        **{name: pg.render_artifact(cap) for name, cap in captures.items()},
         **{
             f"{name} stub, {backend}": pg.render_artifact(STUBS[name](backend))
             for name, backend in unedited_stubs
