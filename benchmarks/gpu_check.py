@@ -289,6 +289,46 @@ def report_fresh_loads(width: int) -> None:
                 print(f"  fresh load with the cache: {verdict}", flush=True)
 
 
+# --- The same pair from two cache folders (CUDA only) --------------------------------
+
+
+def report_same_bytes(width: int) -> None:
+    """Two captures of the training step, each in a process of its own with its own
+    Inductor cache folder: the same artifact and cache, byte for byte, and neither
+    folder named in them (Triton's files are built without line tables)."""
+    with tempfile.TemporaryDirectory() as name:
+        pairs, folders = [], []
+        for index, kernels in enumerate(("kernels", "other/kernels-elsewhere")):
+            folder = Path(name) / f"capture{index}"
+            folder.mkdir()
+            folders.append(str(Path(name) / kernels))
+            environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folders[-1]}
+            environment.pop("TRITON_CACHE_DIR", None)
+            command = [sys.executable, __file__, "--write-child", str(folder)]
+            command += ["--width", str(width)]
+            done = subprocess.run(
+                command, env=environment, capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"the capture failed:\n{done.stderr[-3000:]}")
+            pairs.append(
+                ((folder / "code.py").read_bytes(), (folder / "cache.bin").read_bytes())
+            )
+        same = "the same bytes" if pairs[0] == pairs[1] else "DIFFERENT BYTES"
+        named = [
+            kernels
+            for kernels in folders
+            if any(kernels.encode() in data for pair in pairs for data in pair)
+        ]
+        where = f"NAME {', '.join(named)}" if named else "name neither cache folder"
+        triton = len(_carried_triton_folders(Path(name) / "capture0"))
+        print(
+            f"  two captures, two cache folders: {same}; they {where}; "
+            f"{triton} Triton kernel folders carried",
+            flush=True,
+        )
+
+
 # --- Whole training steps against torch.compile (CUDA only) --------------------------
 
 
@@ -427,6 +467,8 @@ def on_gpu() -> None:
     run_cases("cuda", width=256, cases=CASES | cuda_only)
     print("\na fresh process loading the training step (empty kernel folders):")
     report_fresh_loads(width=256)
+    print("\nthe training step's pair, captured in two cache folders:")
+    report_same_bytes(width=256)
     print("\nwhole training steps, AdamW inside (median step, peak allocated):")
     report_models()
 
@@ -442,7 +484,8 @@ def without_gpu() -> None:
     )
     print(
         "Not run (they need a GPU): a side stream, a CPU scalar beside CUDA "
-        "tensors, the fresh-process load, resnet18 and GPT-2.\n"
+        "tensors, the fresh-process load, the pair from two cache folders, "
+        "resnet18 and GPT-2.\n"
     )
     environment = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, __file__, "--interpreted"]
@@ -466,6 +509,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpreted", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--load-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--write-child", help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=256, help=argparse.SUPPRESS)
     args = parser.parse_args()
     # load() warns before executing unsigned code; this script made the code itself.
@@ -473,6 +517,8 @@ def main() -> None:
     if args.load_child:
         folder, mode = args.load_child
         load_child(Path(folder), mode == "with-cache", args.width)
+    elif args.write_child:
+        write_training_pair(Path(args.write_child), args.width)
     elif args.interpreted:
         interpreted()
     elif torch.cuda.is_available():
