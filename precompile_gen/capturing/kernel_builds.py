@@ -51,7 +51,7 @@ _FILE_NAME_FLAGS = ["Wno-builtin-macro-redefined", "D__FILE__=__FILE_NAME__"]
 @contextlib.contextmanager
 def reproducible() -> Generator[None]:
     """Inductor's C++ kernels, while the block runs, built as the module docstring
-    says."""
+    says, and each Triton kernel's source recorded as Triton compiles it."""
     from torch._inductor import codecache, cpp_builder
     from torch._inductor import config as inductor_config
 
