@@ -54,6 +54,7 @@ from torch._dynamo.decorators import mark_unbacked
 from torch.utils.checkpoint import checkpoint
 
 import precompile_gen as pg
+from precompile_gen.tools import rebuild
 
 STEPS = 3
 ROUNDS = 10
@@ -327,6 +328,12 @@ def report_same_bytes(width: int) -> None:
             f"{triton} Triton kernel folders carried",
             flush=True,
         )
+        # verify --rebuild on the first pair: each kernel built again from the
+        # artifact's text in fresh folders, against the cache's pinned files.
+        report = rebuild.rebuild_report(pairs[0][0].decode(), pairs[0][1])
+        results = [kernel["result"] for kernel in report["kernels"]]
+        counted = ", ".join(f"{results.count(r)} {r}" for r in sorted(set(results)))
+        print(f"  verify --rebuild of that pair: {counted}", flush=True)
 
 
 # --- Whole training steps against torch.compile (CUDA only) --------------------------

@@ -253,6 +253,68 @@ def triton_without_line_info(compiled: Any) -> dict[str, bytes] | None:
     return files
 
 
+def build_triton_kernel(name: str, source: str) -> Any:
+    """Kernel ``name`` of Inductor's module, built from its ``source`` as Inductor's
+    compile workers build it: each configuration it may pick from, compiled for the
+    GPU target its source names (only loading and launching a kernel need that GPU).
+    Inductor's ``CachingAutotuner``, holding the compiled configurations."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    from torch._inductor.runtime.triton_helpers import skip_gpu_driver_setup
+
+    _set_triton_ptxas_path()  # the assembler Inductor gives Triton, where torch has one
+    with skip_gpu_driver_setup():
+        kernel = getattr(PyCodeCache.load(source), name)
+        kernel.precompile(warm_cache_only=True)
+    return kernel
+
+
+def record_triton_sources(kernels: dict[str, tuple[Any, str]]) -> None:
+    """Record, for ``triton_without_line_info``, the sources of the compiled
+    configurations of ``kernels`` (name -> Inductor's autotuner and its module's
+    source) that Triton compiled in another process, as Inductor's compile workers
+    do: each such kernel is built again here, in a scratch folder."""
+    from triton import knobs
+
+    for name, (kernel, source) in kernels.items():
+        results = getattr(kernel, "compile_results", ())
+        if all(result.kernel.hash in _TRITON_SOURCES for result in results):
+            continue
+        with tempfile.TemporaryDirectory() as scratch, knobs.cache.scope():
+            knobs.cache.dir = scratch
+            build_triton_kernel(name, source)
+
+
+def triton_toolchain(files: dict[str, bytes]) -> dict[str, str]:
+    """What built the Triton kernels among ``files`` (by payload name), as their
+    metadata records it: the targets, and for NVIDIA's the assembler's release.
+    Empty where there are none."""
+    targets = set()
+    for name, data in files.items():
+        if name.startswith("triton/") and name.endswith(".json"):
+            target = json.loads(data).get("target")
+            if isinstance(target, dict):  # a kernel's metadata, not its group's
+                targets.add(f"{target.get('backend')} {target.get('arch')}")
+    if not targets:
+        return {}
+    built = {"triton_target": ", ".join(sorted(targets))}
+    if any(target.startswith("cuda ") for target in targets):
+        built["ptxas"] = _ptxas_release()
+    return built
+
+
+@functools.cache
+def _ptxas_release() -> str:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        text = get_ptxas_version()
+    except Exception as error:  # no assembler here: the rebuild says so
+        return f"unknown ({type(error).__name__})"
+    lines = [line for line in text.splitlines() if "release" in line]
+    return (lines or ["unknown"])[-1].strip()
+
+
 def _tuples(value: object) -> object:
     if isinstance(value, list | tuple):
         return tuple(_tuples(item) for item in value)

@@ -111,7 +111,7 @@ def collect(graph_source: str, toolchain: dict[str, str]) -> Collected:
     root = Path(codecache.cache_dir())
     sources: dict[str, str] = {}
     files: dict[str, bytes] = {}
-    triton_kernels: list[str] = []
+    triton_kernels: dict[str, str] = {}  # each Triton kernel's name -> its source
     kernel_source: list[str] = []
     original_pybinding, original_write = AsyncCompile.cpp_pybinding, codecache.write
     original_triton = AsyncCompile.triton
@@ -121,7 +121,7 @@ def collect(graph_source: str, toolchain: dict[str, str]) -> Collected:
         return original_pybinding(self, argtypes, source)
 
     def recording_triton(self: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-        triton_kernels.append(name)
+        triton_kernels[name] = args[0]  # Inductor's module passes the source second
         return original_triton(self, name, *args, **kwargs)
 
     def recording_write(
@@ -151,9 +151,24 @@ def collect(graph_source: str, toolchain: dict[str, str]) -> Collected:
     files = {name: data for name, data in files.items() if data}
     sources = {digest: name for digest, name in sources.items() if name in files}
     if triton_kernels and not _triton_interpreted():
-        files.update(triton_files(namespace.get(name) for name in triton_kernels))
-    payload = make_payload(files, triton_kernels, toolchain)
-    return Collected(payload, sources, triton_kernels)
+        triton, toolchain = _compiled_triton(namespace, triton_kernels, toolchain)
+        files.update(triton)
+    payload = make_payload(files, list(triton_kernels), toolchain)
+    return Collected(payload, sources, list(triton_kernels))
+
+
+def _compiled_triton(
+    namespace: dict[str, object], sources: dict[str, str], toolchain: dict[str, str]
+) -> tuple[dict[str, bytes], dict[str, str]]:
+    """The files of each compiled Triton kernel the module bound in ``namespace``
+    (``sources``: each one's name and source), by payload name, and ``toolchain``
+    with what built them."""
+    from precompile_gen.capturing import kernel_builds
+
+    built = {name: (namespace.get(name), source) for name, source in sources.items()}
+    kernel_builds.record_triton_sources(built)
+    files = triton_files(kernel for kernel, _ in built.values())
+    return files, {**toolchain, **kernel_builds.triton_toolchain(files)}
 
 
 def triton_files(kernels: Iterable[object]) -> dict[str, bytes]:

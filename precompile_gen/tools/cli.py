@@ -56,8 +56,9 @@ examples:
 Exits 0 when the pair belongs together, 1 with the reason otherwise. Neither file is
 executed. The key is read from a file or an environment variable, never from the
 command line, where other users of the machine could see it. --rebuild compiles the
-artifact's C++ kernels again (the compiler runs on their source, nothing of the pair
-is executed) and exits 1 if a binary in the cache is not what its kernel builds to.
+artifact's kernels again, C++ and Triton's for a GPU (the compilers run on their
+source, nothing of the pair is executed; a GPU's kernels build without the GPU), and
+exits 1 if a binary in the cache is not what its kernel builds to.
 """
 
 _DIFF_EPILOG = """\
@@ -284,7 +285,7 @@ def _add_verify(commands: _Commands) -> None:
         "--rebuild",
         action="store_true",
         help=(
-            "also compile the artifact's C++ kernels from its own text, in a fresh "
+            "also compile the artifact's kernels from its own text, in a fresh "
             "folder, and check each binary in the cache against the artifact's pins "
             "(exit 1 if one differs)"
         ),

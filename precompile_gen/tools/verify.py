@@ -78,7 +78,11 @@ def _binary_lines(binaries: dict[str, Any]) -> list[str]:
             ["  kernels          no C++ kernel"] if not binaries["cpp_kernels"] else []
         )
     differing = binaries["differs_from_here"]
-    if not differing:
+    if not binaries["cpp_kernels"]:
+        # Triton's alone: where they load is a matter of the GPU (said below).
+        here = "built by this torch and Python" if not differing else ""
+        here = here or f"built by another ({', '.join(differing)} differ)"
+    elif not differing:
         here = "they run here (same torch, Python, architecture and CPU capability)"
     else:
         here = (
@@ -112,10 +116,12 @@ def _triton_lines(triton: dict[str, Any]) -> list[str]:
     if triton["interpreted"]:
         carried = "made for Triton's interpreter, which runs their source: no binary"
     elif triton["folders"]:
+        target = f" for {triton['target']}" if triton["target"] else ""
         carried = (
             f"{triton['folders']} compiled configuration"
-            f"{'' if triton['folders'] == 1 else 's'} in Triton's cache folders, "
-            "found by Triton's key (another GPU or Triton compiles from source)"
+            f"{'' if triton['folders'] == 1 else 's'}{target} in Triton's cache "
+            "folders, found by Triton's key on such a GPU (another GPU or Triton "
+            "compiles from source)"
         )
     else:
         carried = "no compiled binary in the cache: Triton compiles them at load"
@@ -182,6 +188,7 @@ def _check_binaries(
         "triton": {
             "kernels": list(payload.get("triton_kernels") or []),
             "interpreted": payload.get("triton_interpreted") is True,
+            "target": str((payload.get("toolchain") or {}).get("triton_target", "")),
             # One folder per compiled configuration of a kernel.
             "folders": len(
                 {name.rsplit("/", 1)[0] for name in files if name.startswith("triton/")}

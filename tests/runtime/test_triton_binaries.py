@@ -275,6 +275,7 @@ def test_verify_counts_the_compiled_configurations_the_cache_carries(
         "kernels": [KERNEL],
         "interpreted": False,
         "folders": 1,
+        "target": "cuda 90",
     }
     report = {
         "backend": "inductor",
@@ -283,7 +284,7 @@ def test_verify_counts_the_compiled_configurations_the_cache_carries(
         "kernel_binaries": binaries,
     }
     assert (
-        "  triton           1 Triton kernel; 1 compiled configuration in Triton's "
-        "cache folders, found by Triton's key (another GPU or Triton compiles from "
-        "source)\n"
+        "  triton           1 Triton kernel; 1 compiled configuration for cuda 90 in "
+        "Triton's cache folders, found by Triton's key on such a GPU (another GPU or "
+        "Triton compiles from source)\n"
     ) in verify.format_report(report, "code.py", "cache.bin")

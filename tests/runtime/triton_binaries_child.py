@@ -86,7 +86,8 @@ def record(path: str, launcher: bool) -> None:
         autotuner = SimpleNamespace(triton_meta={"device": 0}, compile_results=[])
         autotuner.compile_results.append(SimpleNamespace(kernel=kernel))
         files = kernel_binaries.triton_files([autotuner])
-    torch.save(kernel_binaries.make_payload(files, [NAME]), path)
+    toolchain = kernel_builds.triton_toolchain(files)
+    torch.save(kernel_binaries.make_payload(files, [NAME], toolchain), path)
 
 
 def compile_again() -> None:

@@ -1,16 +1,21 @@
-"""``verify --rebuild``: the artifact's C++ kernels compiled again from its own text,
-in a fresh folder, match the binaries the cache carries, which the artifact pins; a
+"""``verify --rebuild``: the artifact's kernels compiled again from its own text, in a
+fresh folder, match the binaries the cache carries, which the artifact pins; a
 binary swapped for another and pinned again in a copy of the artifact passes plain
-``verify``, and the rebuild names it."""
+``verify``, and the rebuild names it. Both for C++ kernels and for Triton kernels
+built for a GPU (an H100's, which Triton compiles for without one:
+``h100_pair_child.py`` makes the pair a capture on an H100 writes)."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.processes import env_with_helpers
 from torch import nn
 
 import precompile_gen as pg
@@ -34,12 +39,13 @@ def pair() -> tuple[str, bytes]:
     )
 
 
-def tampered(python_code: str, cache: bytes) -> tuple[str, bytes]:
-    """The pair with one binary's bytes changed, its digest re-pinned in a copy of
-    the artifact and in the cache: what someone who can write both files makes."""
+def tampered(python_code: str, cache: bytes, suffix: str = ".so") -> tuple[str, bytes]:
+    """The pair with one binary's bytes changed (the first whose name ends with
+    ``suffix``), its digest re-pinned in a copy of the artifact and in the cache:
+    what someone who can write both files makes."""
     envelope = torch.load(io.BytesIO(cache), weights_only=True)
     payload = envelope["artifact"]
-    name = sorted(payload["files"])[0]
+    name = next(name for name in sorted(payload["files"]) if name.endswith(suffix))
     data = bytearray(payload["files"][name])
     data[-1] ^= 0xFF
     old, new = payload["sha256"][name], hashlib.sha256(data).hexdigest()
@@ -82,3 +88,46 @@ def test_a_swapped_binary_pinned_again_passes_verify_but_not_the_rebuild(
     out = capsys.readouterr().out
     assert status == 1
     assert "ok: " in out and "differs" in out, out
+
+
+@pytest.fixture(scope="module")
+def h100_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, bytes]:
+    folder = tmp_path_factory.mktemp("h100")
+    environment = env_with_helpers()
+    environment.pop("TRITON_CACHE_DIR", None)
+    environment["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "kernels")
+    child = Path(__file__).with_name("h100_pair_child.py")
+    done = subprocess.run(
+        [sys.executable, str(child), str(folder)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=environment,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return (folder / "step.py").read_text(encoding="utf-8"), (
+        folder / "step.cache"
+    ).read_bytes()
+
+
+@pytest.mark.slow
+def test_triton_kernels_for_a_gpu_rebuild_to_their_pins_but_a_swapped_cubin(
+    h100_pair: tuple[str, bytes],
+) -> None:
+    # One rebuild (each takes seconds) of the pair with one cubin swapped and
+    # pinned again: the kernels left alone match, that one differs.
+    code, cache = tampered(*h100_pair, suffix=".cubin")
+    verify_pair(code, cache)  # what plain verify checks, it passes
+    report = rebuild.rebuild_report(code, cache)
+    assert {k["kind"] for k in report["kernels"]} == {"Triton"}, report
+    results = [k["result"] for k in report["kernels"]]
+    assert results.count("differs") == 1 and results.count("match") >= 1, report
+    differing = next(k for k in report["kernels"] if k["result"] == "differs")
+    assert ".cubin's sha256 is" in differing["why"], differing
+    assert not rebuild.matches(report)
+    recorded = report["toolchain"]["recorded"]
+    assert recorded["triton_target"] == "cuda 90"
+    assert "release" in recorded["ptxas"]
+    assert report["toolchain"]["differs"] == []
+    assert "for cuda 90" in rebuild.format_rebuild(report)
