@@ -364,13 +364,15 @@ def _user_frame(error: BaseException) -> str | None:
     return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
 
 
-def reject_constrained_dims(symbolic: SymbolicInputs, fn_name: str) -> None:
-    """Reject constraints fn put on a marked dim while tracing.
+def reject_constrained_dims(symbolic: SymbolicInputs | None, fn_name: str) -> None:
+    """Reject constraints fn put on a marked dim while tracing (None: no dim is).
 
     The compiled graph assumes them without checking them at run time (and the
     driver checks only the declared bounds), so a call that broke one would compute
     garbage or read out of bounds.
     """
+    if symbolic is None:
+        return
     shape_env = cast(ShapeEnv, symbolic.fake_mode.shape_env)
     for symbol, dims in symbolic.dims_of.items():
         pinned = shape_env.replacements.get(symbol)

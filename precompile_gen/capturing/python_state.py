@@ -118,6 +118,50 @@ def observe(
     return sorted(reads.values.values())
 
 
+@contextlib.contextmanager
+def kept_as_found(
+    example_inputs: tuple[object, ...], values: list[PythonValue]
+) -> Generator[None]:
+    """Each value of ``values`` that sits in an argument set back, after the block,
+    to the object it held before: the trace runs the function once on the real
+    arguments, and a write the function makes to what it reads (transformers sets
+    its config's ``problem_type`` on the first call that has labels) must not outlive
+    the capture, which leaves the model as it found it. The graph was traced with
+    the value read, which the artifact checks at every call."""
+    places = []
+    for value in values:
+        place = convention.python_value_holder(example_inputs, value.path)
+        if place is not None:
+            places.append((*place, _held(*place)))
+    try:
+        yield
+    finally:
+        for holder, attribute, key, before in places:
+            if _held(holder, attribute, key) is not before:
+                _set_held(holder, attribute, key, before)
+
+
+_ABSENT = object()
+
+
+def _held(holder: Any, attribute: str, key: object) -> object:
+    try:
+        return getattr(holder, attribute) if attribute else holder[key]
+    except (AttributeError, LookupError, TypeError):
+        return _ABSENT
+
+
+def _set_held(holder: Any, attribute: str, key: object, value: object) -> None:
+    if attribute and value is _ABSENT:
+        delattr(holder, attribute)
+    elif attribute:
+        setattr(holder, attribute, value)
+    elif value is _ABSENT:
+        del holder[key]
+    else:
+        holder[key] = value
+
+
 def _copies(
     fn: Callable[..., object], example_inputs: tuple[object, ...]
 ) -> tuple[Callable[..., object], tuple[object, ...]]:

@@ -208,19 +208,19 @@ def trace(
         if fully_sharded.holds_sharded(call.modules)
         else None
     )
-    gm = _make_fx(
-        fn,
-        call.fn_name,
-        flat_fn,
-        inputs.flat_args,
-        user.symbolic,
-        decompositions,
-        harvest.raised_by_fn,
-        on_shards,
-    )
+    with python_state.kept_as_found(example_inputs, python_values):
+        gm = _make_fx(
+            fn,
+            call.fn_name,
+            flat_fn,
+            inputs.flat_args,
+            user.symbolic,
+            decompositions,
+            harvest.raised_by_fn,
+            on_shards,
+        )
     python_state.reject_torch_generators(gm, fn, generators)
-    if user.symbolic is not None:
-        dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
+    dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
     updates = _read_updates(gm, call, lifted, inputs, harvest)
     constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
     graph_checks.check_graph_ops(gm)

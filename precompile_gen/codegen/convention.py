@@ -89,3 +89,27 @@ def register_pytree_type(cls: type, path: str) -> None:
     """Have tree specs name ``cls``, a namedtuple or dataclass, by ``path``, and
     pytree open a dataclass into its init fields (unless registered already)."""
     _driver_code()["register_pytree_type"](cls, path)
+
+
+def python_value_holder(
+    arguments: tuple[object, ...], path: str
+) -> tuple[object, str, object] | None:
+    """Where the value at ``path`` (PYTHON_VALUES' syntax) sits in a call on
+    ``arguments``: the object holding it, and the attribute ("" for an item) or the
+    item's key that reaches it; None where the path is not an argument's part or its
+    holder is not there."""
+    code = _driver_code()
+    head, _, accessors = path.partition(": ")
+    steps = list(code["_PATH_STEP"].finditer(accessors))
+    if not head.startswith("argument ") or not steps:
+        return None
+    last = steps[-1]
+    holder = code["_python_value"](
+        arguments, f"{head}: {accessors[: last.start()]}", None
+    )
+    if holder is code["_ABSENT"] or holder is code["_UNCHECKED"]:
+        return None
+    attribute, key = last.groups()
+    if attribute:
+        return holder, attribute, None
+    return holder, "", int(key) if key[0] != "'" else key[1:-1]

@@ -4,6 +4,7 @@ refused at capture, naming the user's line."""
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import random
@@ -511,3 +512,32 @@ def test_arguments_that_cannot_be_copied_are_named_in_a_warning(
         code, cache = pg.precompile(lambda m, x: m(x), model, x, backend="eager")
     assert "could not be recorded" in caplog.text and "deep-copied" in caplog.text
     torch.testing.assert_close(pg.load(code, cache)(model, x), model(x))
+
+
+def classify(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach()
+
+
+def test_a_library_write_to_a_value_read_does_not_outlive_the_capture() -> None:
+    # transformers' classifier sets config.problem_type on its first call with
+    # labels, after reading it (None): the trace makes that write on the model.
+    from helpers import model_zoo
+
+    torch.manual_seed(0)
+    model = model_zoo.bert().eval()
+    twin = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 100, (2, 8)), torch.tensor([0, 2])
+    code, cache = pg.precompile(classify, model, ids, labels, backend="eager")
+    assert cast(Any, model).config.problem_type is None
+    step = pg.load(code, cache)
+    for call in range(3):
+        ids, labels = torch.randint(0, 100, (2, 8)), torch.tensor([call % 3, 1])
+        torch.testing.assert_close(
+            step(model, ids, labels), classify(twin, ids, labels)
+        )
+        for (name, param), theirs in zip(
+            model.named_parameters(), twin.parameters(), strict=True
+        ):
+            torch.testing.assert_close(param.grad, theirs.grad, msg=name)
