@@ -85,7 +85,7 @@ def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
     with _quiet_cuda_home_guess():
         source, kernels = _inductor_graph(traced, options)
     source, rewritten_imports = _rewrite_imports(
-        inductor_module.without_cache_folder(source)
+        inductor_module.editable(inductor_module.without_cache_folder(source))
     )
     return _LoweredGraph(
         source=source,

@@ -337,6 +337,10 @@ class GraphFeatures:
     kernel_lines: list[str]
     # AOTAutograd's module defines ``call`` again, over Inductor's inner one.
     redefined_call: bool
+    # What ``call`` takes and does, in words: the docstring of the eager section's
+    # ``call``, the comment opening Inductor's.
+    call_docstring: list[str]
+    call_comment: list[str]
     # Per graph input: (Inductor's name for it, where it has one,) its name and what
     # it is; a header row first.
     input_rows: list[list[str]]
@@ -387,6 +391,8 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
             ]
         ],
         redefined_call=graph.redefined_call,
+        call_docstring=_call_docstring(cap),
+        call_comment=_call_comment(cap),
         input_rows=input_rows,
         tensor_rows=_tensor_rows(cap),
     )
@@ -399,6 +405,41 @@ def _kernel_entry(kernel: KernelEntry) -> str:
     if not kernel.aten_ops:
         return size
     return f"{size}: {', '.join(op.removeprefix('aten.') for op in kernel.aten_ops)}"
+
+
+def _call_docstring(cap: CaptureResult) -> list[str]:
+    return docstring(
+        f"Run the captured graph on ``{_input_groups(cap)}``; return the function's "
+        "flat outputs followed by the harvested parameter gradients.",
+        indent=4,
+    )
+
+
+def _call_comment(cap: CaptureResult) -> list[str]:
+    updates = (
+        ", updates the parameters and the optimizer state in place, and "
+        if cap.convention.optimizers
+        else " and "
+    )
+    return comment_lines(
+        "Spliced from aot_autograd.compile_to_python. `call(flat_inputs)` takes "
+        f"`{_input_groups(cap)}`{updates}returns the function's flat outputs "
+        "followed by the harvested parameter gradients."
+    )
+
+
+def _input_groups(cap: CaptureResult) -> str:
+    """The graph's inputs as groups, in the order ``_input_roles`` lists them one by
+    one: those the capture has beyond the module state and the input leaves."""
+    conv = cap.convention
+    groups = ["*params", "*buffers", "*user_input_leaves"]
+    if conv.optimizers:
+        groups += ["*optimizer_state", "*lrs"]
+    if any(group.values for optimizer in conv.optimizers for group in optimizer.groups):
+        groups.append("*group_values")
+    if cap.graph.tensor_literals:
+        groups.append("*tensor_literals")
+    return f"[{', '.join(groups)}]"
 
 
 def _input_roles(cap: CaptureResult) -> list[str]:
