@@ -582,6 +582,17 @@ def _flat_tuple_of_leaves(in_spec: str | None, count: int) -> bool:
     )
 
 
+# Where each section the header names starts: the text ending the line before it (a
+# title's rule, ``section_title``), and whether that is before the compiled graph.
+_SECTION_STARTS = {
+    "graph": ("=\n# 1. ", True),
+    "metadata": ("=\n# 2. ", False),
+    "driver": ("=\n# 3. ", False),
+    "forward": ("\ndef forward(", False),
+    "support": ("=\n# 4. ", False),
+}
+
+
 def render_skeleton(cap: CaptureResult) -> str:
     """The artifact's text with ``GRAPH_MARKER`` where the compiled graph goes.
 
@@ -602,6 +613,7 @@ def render_skeleton(cap: CaptureResult) -> str:
             driver=driver_section(cap, features),
             graph=graph_features(cap),
             graph_marker=GRAPH_MARKER,
+            section_lines={name: f"@{name}@" for name in _SECTION_STARTS},
             runtime_support=support,
             runtime_title=runtime_title(parts, support),
         )
@@ -633,4 +645,13 @@ def render_artifact(cap: CaptureResult) -> str:
     else:
         graph, ending = graph[begin:end], "\n\n\n"
     # Two blank lines on each side, as black puts around a top-level def.
-    return "".join([before.rstrip("\n"), "\n\n\n", graph, ending, after.lstrip("\n")])
+    before, after = before.rstrip("\n") + "\n\n\n", ending + after.lstrip("\n")
+    # The header, in ``before``, names the line each section starts on.
+    lines_before_after = before.count("\n") + graph.count("\n")
+    for name, (text, in_head) in _SECTION_STARTS.items():
+        if in_head:
+            line = before.count("\n", 0, before.index(text)) + 2
+        else:
+            line = lines_before_after + after.count("\n", 0, after.index(text)) + 2
+        before = before.replace(f"@{name}@", str(line), 1)
+    return "".join([before, graph, after])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import string
 import subprocess
 import sys
@@ -102,6 +103,20 @@ def test_templates_emit_black_formatted_code(name: str) -> None:
     # black would reformat fails here with the difference.
     skeleton = render_skeleton(CAPTURES[name]())
     assert format_python(skeleton) == skeleton
+
+
+@pytest.mark.parametrize("name", ["stub_eager", "large_inductor", "inductor_inference"])
+def test_the_header_names_the_line_each_section_starts_on(name: str) -> None:
+    lines = pg.render_artifact(CAPTURES[name]()).splitlines()
+    header = lines[: lines.index("# Sections, and the line each starts on:") + 6]
+    named = [int(n) for n in re.findall(r"line (\d+)", "\n".join(header))]
+    assert len(named) == 5, header
+    graph, metadata, driver, forward, support = (lines[n - 1] for n in named)
+    assert graph.startswith("# 1. Compiled graph")
+    assert metadata.startswith("# 2. Calling-convention metadata")
+    assert driver.startswith("# 3. Driver")
+    assert forward.startswith("def forward(")
+    assert support.startswith("# 4. Runtime support")
 
 
 def _random_value(rng: random.Random, depth: int = 0) -> object:

@@ -26,9 +26,12 @@
 # - Every call is validated before anything runs; a violation raises PrecompileError
 #   and leaves the model and its gradients untouched.
 #
-# Sections: 1. compiled graph  2. calling-convention metadata  3. driver  4. runtime
-# support, the same in every artifact of this precompile_gen version (its sha256 in
-# its title).
+# Sections, and the line each starts on:
+# 1. compiled graph, line 37
+# 2. calling-convention metadata, line 85
+# 3. driver, line 182: its forward(), line 191, is what a call runs
+# 4. runtime support, the same in every artifact of this precompile_gen version (its
+#    sha256 in its title), line 209
 
 # ====================================================================================
 # 1. Compiled graph: the captured ATen graph, run eagerly

@@ -23,9 +23,12 @@
 # - Every call is validated before anything runs; a violation raises PrecompileError
 #   and leaves the model and its gradients untouched.
 #
-# Sections: 1. compiled graph  2. calling-convention metadata  3. driver  4. runtime
-# support, the same in every artifact of this precompile_gen version (its sha256 in
-# its title).
+# Sections, and the line each starts on:
+# 1. compiled graph, line 34
+# 2. calling-convention metadata, line 58
+# 3. driver, line 154: its forward(), line 163, is what a call runs
+# 4. runtime support, the same in every artifact of this precompile_gen version (its
+#    sha256 in its title), line 177
 
 # ====================================================================================
 # 1. Compiled graph: the captured ATen graph, run eagerly
