@@ -45,7 +45,7 @@ import torch
 imported_torch = time.time()
 import json, sys
 import precompile_gen
-from precompile_gen import demo
+from precompile_gen.tools import demo
 imported_precompile_gen = time.time()
 
 system, step, code_path, cache_path = sys.argv[1:5]
@@ -53,7 +53,7 @@ priming = [0.0]
 if system == "precompile_gen":
     precompile, load = precompile_gen.precompile, precompile_gen.load
     # Time the part of load that writes the binaries into place.
-    from precompile_gen import kernel_binaries
+    from precompile_gen.runtime import kernel_binaries
     prime = kernel_binaries.prime
     def timed_prime(*args, **kwargs):
         begun = time.perf_counter()

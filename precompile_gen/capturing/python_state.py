@@ -28,7 +28,7 @@ import sys
 import sysconfig
 import types
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,6 +38,7 @@ from precompile_gen.capture_result import PythonValue
 from precompile_gen.capturing import data_dependent, data_parallel, graph_names
 from precompile_gen.codegen import convention
 from precompile_gen.runtime.errors import PrecompileError, listed
+from precompile_gen.tools import timings
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,10 @@ def observe(
     paths = _argument_paths(copies)
     reads = _Reads(paths=paths, roots=_roots(copied_fn, paths))
     try:
-        with _dynamo_pass(reads, fn, copied_fn, copies) as compiled:
+        with (
+            timings.stage("capture: python values"),
+            _dynamo_pass(reads, fn, copied_fn, copies) as compiled,
+        ):
             compiled(*copies)
     except Exception as error:
         refusal = _precompile_error_in(error)
@@ -184,7 +188,38 @@ def _copies(
             namespace[name] = _copy_or_share(namespace[name], memo)
     copied = types.FunctionType(code, namespace, fn.__name__, fn.__defaults__, cells)
     copied.__kwdefaults__ = fn.__kwdefaults__
+    _steps_unobserved(memo.values())
     return copied, copies
+
+
+def _steps_unobserved(copies: Iterable[object]) -> None:
+    """Each copied optimizer of torch.optim's own steps without Dynamo in the pass:
+    what its step reads through it is the optimizer checks' business (OPTIMIZERS),
+    and what it writes is its own, so Dynamo tracing it (seconds, for a large model's
+    AdamW) would record nothing. A step given a closure still runs under Dynamo, as
+    does an optimizer of a class of the user's or one with step hooks: the user's
+    code they run may read the user's state."""
+    from torch.optim import optimizer
+
+    if optimizer._global_optimizer_pre_hooks or optimizer._global_optimizer_post_hooks:
+        return
+    for copied in copies:
+        if (
+            isinstance(copied, torch.optim.Optimizer)
+            and type(copied).__module__.startswith("torch.optim.")
+            and not copied._optimizer_step_pre_hooks
+            and not copied._optimizer_step_post_hooks
+        ):
+            copied.step = _stepping_eagerly(copied.step)
+
+
+def _stepping_eagerly(step: Callable[..., Any]) -> Callable[..., Any]:
+    eagerly = torch._dynamo.disable(step)
+
+    def stepping(closure: Callable[[], Any] | None = None) -> Any:
+        return eagerly() if closure is None else step(closure)
+
+    return stepping
 
 
 # Globals worth copying: what a function may change in place.

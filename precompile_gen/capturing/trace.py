@@ -72,6 +72,7 @@ from precompile_gen.runtime.errors import (
     PrecompileValueError,
     listed,
 )
+from precompile_gen.tools import timings
 
 log = logging.getLogger(__name__)
 
@@ -685,6 +686,7 @@ def _make_fx(
         # Grad mode on, so a backward inside fn is recorded as graph ops.
         mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
         with (
+            timings.stage("capture: make_fx"),
             torch.enable_grad(),
             mode,
             _compiling(),

@@ -176,15 +176,32 @@ def _check_in_fresh_process(
     return report
 
 
+def _stage_rows(stages: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """precompile's stages as indented rows, each stage's passes ("capture: make_fx")
+    under it and added into its row."""
+    rows: list[tuple[str, float]] = []
+    row_of: dict[str, int] = {}
+    for stage, seconds in stages:
+        outer, _, inner = stage.partition(": ")
+        if inner and outer in row_of:
+            name, total = rows[row_of[outer]]
+            rows[row_of[outer]] = (name, total + seconds)
+            rows.append((f"    {inner}", seconds))
+        else:
+            row_of[stage] = len(rows)
+            rows.append((f"  {stage}", seconds))
+    return rows
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The summary ``precompile-gen demo`` prints."""
-    # precompile's own stages go under its row, indented; only the top rows add up
-    # to the total.
+    # precompile's own stages go under its row, indented, and capture's passes under
+    # capture's, which shows them added in; only the top rows add up to the total.
     rows: list[tuple[str, float]] = []
     for name, seconds in report["stages"]:
         rows.append((name, seconds))
         if name == "precompile":
-            rows += [(f"  {stage}", sub) for stage, sub in report["precompile_stages"]]
+            rows += _stage_rows(report["precompile_stages"])
     width = max(len(name) for name, _ in rows)
     lines = [
         f"backend        {report['backend']}",

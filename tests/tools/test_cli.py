@@ -155,6 +155,8 @@ def test_console_script_runs_every_command(
     for stage in (
         "precompile",
         "  capture",  # precompile's own stages, from its timing records
+        "    python values",  # and capture's passes, under it
+        "    make_fx",
         "  render",
         "write the pair",
         "fresh process: start, imports",
