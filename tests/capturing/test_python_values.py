@@ -541,3 +541,29 @@ def test_a_library_write_to_a_value_read_does_not_outlive_the_capture() -> None:
             model.named_parameters(), twin.parameters(), strict=True
         ):
             torch.testing.assert_close(param.grad, theirs.grad, msg=name)
+
+
+def adamw_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    loss = model(x).square().mean() * SCALE
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_an_optimizer_stepping_without_dynamo_records_the_same_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch.optim's own step runs without Dynamo in the pass, which saves the
+    # seconds of tracing it: what it reads is the optimizer checks' business.
+    from precompile_gen.capturing import python_state
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Dropout(0.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
+    arguments = (model, opt, example())
+    stepping_eagerly = python_state.observe(adamw_step, arguments)
+    monkeypatch.setattr(python_state, "_steps_unobserved", lambda copies: None)
+    assert stepping_eagerly == python_state.observe(adamw_step, arguments)
+    assert (f"global SCALE (module {__name__})", "1.0") in stepping_eagerly
