@@ -5,6 +5,7 @@ lifted out of the graph into inputs that the artifact feeds from literals.
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -53,7 +54,7 @@ def lift_constants(
     existed before fn ran, may change between calls, and would be baked in."""
     origins = _tensor_origins(fn, modules, module_positions, arguments)
     literals: list[tuple[torch.fx.Node, torch.Tensor]] = []
-    rejected = []
+    rejected: dict[int, str] = {}  # each tensor once, however many nodes read it
     for node in gm.graph.find_nodes(op="get_attr"):
         tensor = getattr(gm, str(node.target))
         if not isinstance(tensor, torch.Tensor):
@@ -73,14 +74,21 @@ def lift_constants(
             else "a tensor that existed before the function ran (e.g. one held by "
             "a library or a closure)",
         )
-        rejected.append(f"{where} (shape {tuple(tensor.shape)}, {tensor.dtype})")
+        rejected[id(tensor)] = f"{where} (shape {tuple(tensor.shape)}, {tensor.dtype})"
     if rejected:
+        # Alike tensors once, counted: a library's state is often several of them.
+        texts = list(rejected.values())
+        counted = [
+            text if texts.count(text) == 1 else f"{texts.count(text)} x {text}"
+            for text in dict.fromkeys(texts)
+        ]
         raise PrecompileError(
             "the function reads tensors that are neither inputs nor computed from "
             "inputs, so they would be baked into the artifact as constants: "
-            + "; ".join(rejected)
+            + "; ".join(counted)
             + ". Pass each one as an argument: register module state with "
-            "register_buffer / nn.Parameter, and pass large literals in as inputs."
+            "register_buffer / nn.Parameter, and pass large literals in as inputs; "
+            "or use the object that holds it outside the function."
         )
     return _as_graph_inputs(gm, literals)
 
@@ -132,6 +140,19 @@ def unpack_inputs(gm: torch.fx.GraphModule, count: int) -> None:
     gm.recompile()
 
 
+def _held_tensors(value: object, holder: str, origins: dict[int, str]) -> None:
+    """The tensors an object the function uses holds as attributes of its own (a
+    GradScaler's scale, a statistic a helper keeps), into ``origins``."""
+    if isinstance(value, torch.nn.Module | types.ModuleType | type):
+        return  # a module argument's are named below; a module's or class's are code
+    for attribute, held in getattr(value, "__dict__", {}).items():
+        if isinstance(held, torch.Tensor):
+            origins.setdefault(
+                id(held),
+                f"the attribute {attribute!r} of {holder} (a {type(value).__name__})",
+            )
+
+
 def _tensor_origins(
     fn: Callable[..., object],
     modules: list[torch.nn.Module],
@@ -149,6 +170,8 @@ def _tensor_origins(
         for name, value in variables.items():
             if isinstance(value, torch.Tensor):
                 origins[id(value)] = f"the {scope} {name!r}"
+            else:
+                _held_tensors(value, f"the {scope} {name!r}", origins)
     for position, module in zip(module_positions, modules, strict=True):
         for path, submodule in module.named_modules():
             registered = {**submodule._parameters, **submodule._buffers}

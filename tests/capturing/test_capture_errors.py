@@ -152,6 +152,36 @@ def test_closed_over_local_tensor(model: nn.Module, x: torch.Tensor) -> None:
     )
 
 
+class _Scaler:
+    """An object a script keeps beside its model, holding tensors of its own."""
+
+    def __init__(self) -> None:
+        self.scale = torch.full((), 2.0)
+
+
+_SCALER = _Scaler()
+
+
+def step_with_scaler(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = (model(x) * _SCALER.scale).square().mean() + model(x).mean() * _SCALER.scale
+    loss.backward()
+    return loss.detach()
+
+
+def test_a_tensor_held_by_a_global_object_is_named_once(
+    model: nn.Module, x: torch.Tensor
+) -> None:
+    # GradScaler keeps its scale so: a torch.amp.GradScaler("cpu") in the step is
+    # refused with its '_scale' named. Read by four nodes, it is listed once.
+    error = assert_capture_rejected(
+        step_with_scaler,
+        model,
+        x,
+        match=["the attribute 'scale' of the global '_SCALER' (a _Scaler) (shape ()"],
+    )
+    assert error.count("'scale'") == 1 and " x " not in error
+
+
 class ScaledLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features)
