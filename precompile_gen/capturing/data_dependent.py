@@ -2,7 +2,7 @@
 
 make_fx records tensor operations, not Python values: a value read from a tensor while
 tracing (``bool(t)``, ``.item()``, ``.tolist()``) is the example's, and whatever fn
-computes from it would be built into the graph for every call. Three common reads are
+computes from it would be built into the graph for every call. Four common reads are
 captured as eager runs them; every other one is refused, naming the line in fn's code.
 
 - ``t.item()`` in fn's own code gives an ``ItemValue``. Returned from fn, the graph
@@ -11,6 +11,9 @@ captured as eager runs them; every other one is refused, naming the line in fn's
 - A ``bool(t)`` inside ``torch.distributions`` is argument validation (``if not
   valid.all(): raise ValueError``): the trace takes the example's branch and the graph
   asserts, at every call, that the call's value is the example's.
+- ``F.one_hot(t, num_classes)`` checks that each value lies in ``[0, num_classes)``:
+  it is traced as the same encoding computed by comparison, and the graph asserts
+  that range at every call, where eager raises (``_checked_one_hot``).
 - ``BatchNorm(momentum=None)`` in training mode divides by
   ``float(num_batches_tracked)``: its forward is traced as the same update with the
   factor kept a tensor (``cumulative_batch_norms``).
@@ -137,10 +140,9 @@ def _op_refusal(
 # Ops that read a value, and how to compute the same without the read.
 _INSTEAD = {
     "torch.nn.functional.one_hot": (
-        "Compute the encoding without the op's range check: "
-        "(t.unsqueeze(-1) == torch.arange(num_classes, device=t.device)).long() "
-        "gives the same tensor for every t in range (and a row of zeros where "
-        "one_hot would raise). "
+        "Give it num_classes (F.one_hot(t, num_classes), t of dtype int64): then "
+        "its number of classes is not read from t, and the artifact checks t's "
+        "range at every call. "
     ),
 }
 
@@ -226,6 +228,8 @@ class _ValueReads(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> object:
         kwargs = kwargs or {}
+        if func is F.one_hot and _one_hot_checkable(*args, **kwargs):
+            return _checked_one_hot(*args, **kwargs, where=user_line(code=False))
         if func not in _READS or not args:
             try:
                 return func(*args, **kwargs)
@@ -272,6 +276,43 @@ _CONVERSIONS = {
 }
 
 
+def _one_hot_checkable(tensor: object, num_classes: int = -1) -> bool:
+    """Whether ``F.one_hot(tensor, num_classes)`` reads nothing but its range check:
+    its number of classes is given, and its index tensor, computed from the inputs,
+    is one eager accepts (int64, and real: a symbolic trace has no values)."""
+    return (
+        type(num_classes) is int
+        and num_classes >= 0
+        and isinstance(tensor, torch.Tensor)
+        and tensor.dtype == torch.int64
+        and not proxy_tensor.is_fake(tensor)
+        and _depends_on_inputs(tensor)
+    )
+
+
+def _checked_one_hot(
+    tensor: torch.Tensor, num_classes: int = -1, *, where: str
+) -> torch.Tensor:
+    """``F.one_hot(tensor, num_classes)`` without reading a value: the same int64
+    encoding, computed by comparing with each class, and the range eager checks
+    (where it raises) asserted in the graph at every call."""
+    place = _in_message(where)
+    in_range = ((tensor >= 0) & (tensor < num_classes)).all()
+    torch._assert_async(
+        in_range,
+        f"precompile_gen: F.one_hot at {place} is given a class value outside [0, "
+        f"{num_classes}), where eager raises RuntimeError (Class values must be "
+        "non-negative and smaller than num_classes)",
+    )
+    classes = torch.arange(num_classes, device=tensor.device)
+    return (tensor.unsqueeze(-1) == classes).to(torch.int64)
+
+
+def _in_message(where: str) -> str:
+    # Inductor writes an assertion's message into a C++ string literal.
+    return where.replace("\\", "/").replace('"', "'")
+
+
 def _asserted_bool(tensor: torch.Tensor, where: str) -> bool:
     """The example's ``bool(tensor)``, with an assertion in the graph that each call
     gives the same: the trace follows the example's branch only."""
@@ -281,8 +322,7 @@ def _asserted_bool(tensor: torch.Tensor, where: str) -> bool:
     with proxy_tensor.disable_proxy_modes_tracing():
         value = bool(tensor)
     held = tensor.bool() if value else tensor.logical_not()
-    # Inductor writes the message into a C++ string literal.
-    place = where.replace("\\", "/").replace('"', "'")
+    place = _in_message(where)
     torch._assert_async(
         held,
         "precompile_gen: a torch.distributions argument check gives another result "

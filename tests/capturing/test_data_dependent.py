@@ -3,7 +3,9 @@
 The common cases run on both backends as eager runs them: a training step that returns
 ``loss.item()``, BatchNorm with ``momentum=None`` (a cumulative average that reads
 ``num_batches_tracked``), sampling from ``torch.distributions`` with argument
-validation on, and ``torch.cond`` with inputs that take either branch. Every other
+validation on, ``F.one_hot`` with its number of classes (a mixture-of-experts router,
+soft targets; its range checked at every call), and ``torch.cond`` with inputs that
+take either branch. Every other
 value read is refused at capture, naming the line of the function that read it and
 the fixes. Each artifact is compiled once per backend in a module-scoped fixture.
 """
@@ -404,8 +406,9 @@ def test_value_read_names_the_line_and_the_fixes(
 
 
 def one_hot_labels(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Without num_classes, one_hot reads it off the values (their maximum).
     labels = model(x).argmax(-1)
-    return F.one_hot(labels, 3)
+    return F.one_hot(labels)
 
 
 def resynthesised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -417,7 +420,7 @@ def resynthesised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("fn", "features", "text", "op", "advice"),
     [
-        (one_hot_labels, 4, "F.one_hot(", "torch.nn.functional.one_hot", "arange"),
+        (one_hot_labels, 4, "F.one_hot(", "torch.nn.functional.one_hot", "num_classes"),
         (resynthesised, 16, "torch.istft(", "torch.istft", "outside the precompiled"),
     ],
 )
@@ -437,6 +440,107 @@ def test_an_op_that_reads_a_value_is_named_rather_than_the_users_line(
     for expected in (f"calls {op} at {line_of(fn, text)}", "reads a value", advice):
         assert expected in message, f"{expected!r} not in the message: {message}"
     assert "torch.cond" not in message
+    snapshot.assert_unchanged()
+
+
+# --- F.one_hot with its number of classes ---------------------------------------------
+
+
+class Router(nn.Module):
+    """A mixture-of-experts layer: top-2 gating, one_hot dispatch masks."""
+
+    def __init__(self, width: int = 4, experts: int = 3) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        mask = F.one_hot(chosen, len(self.experts)).float()  # tokens x 2 x experts
+        dispatch = (mask * weights.unsqueeze(-1)).sum(1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + dispatch[:, e : e + 1] * expert(x)
+        return out
+
+
+def routed_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def soft_target_step(
+    model: nn.Module, x: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    target = F.one_hot(labels, 3).float() * 0.9 + 0.1 / 3
+    loss = -(model(x).log_softmax(-1) * target).sum(-1).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def make_router() -> Router:
+    torch.manual_seed(0)
+    return Router()
+
+
+def make_classifier() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(4, 3)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def one_hot_artifacts(request: pytest.FixtureRequest) -> dict[str, Callable]:
+    router = make_router()
+    opt = torch.optim.SGD(router.parameters(), lr=0.1)
+    labels = torch.tensor([0, 2, 1, 1, 0, 2])
+    return {
+        "router": artifact(
+            routed_step, router, opt, randn(6, 4, seed=1), backend=request.param
+        ),
+        "soft": artifact(
+            soft_target_step,
+            make_classifier(),
+            randn(6, 4, seed=2),
+            labels,
+            backend=request.param,
+        ),
+    }
+
+
+def test_a_mixture_of_experts_routed_by_one_hot_matches_eager(
+    one_hot_artifacts: dict[str, Callable],
+) -> None:
+    # Each call routes its tokens to other experts.
+    model, twin = make_router(), make_router()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for call in range(3):
+        x = randn(6, 4, seed=80 + call)
+        got = one_hot_artifacts["router"](model, opt, x)
+        torch.testing.assert_close(got, routed_step(twin, twin_opt, x))
+        assert_same_state(model, twin)
+
+
+def test_one_hot_of_labels_matches_eager_and_refuses_a_class_out_of_range(
+    one_hot_artifacts: dict[str, Callable],
+) -> None:
+    model, twin = make_classifier(), make_classifier()
+    for call in range(2):
+        x, labels = randn(6, 4, seed=90 + call), torch.tensor([2, 2, 0, 1, call, 0])
+        got = one_hot_artifacts["soft"](model, x, labels)
+        torch.testing.assert_close(got, soft_target_step(twin, x, labels))
+        assert_same_state(model, twin)
+    x, labels = randn(6, 4, seed=99), torch.tensor([0, 1, 3, 0, 1, 2])
+    with pytest.raises(RuntimeError, match="Class values must be"):
+        soft_target_step(make_classifier(), x, labels)
+    snapshot = StateSnapshot(model, x, labels)
+    with pytest.raises(RuntimeError, match=r"F\.one_hot at .* outside \[0, 3\)"):
+        one_hot_artifacts["soft"](model, x, labels)
     snapshot.assert_unchanged()
 
 
