@@ -447,7 +447,9 @@ def test_an_op_that_reads_a_value_is_named_rather_than_the_users_line(
 
 
 class Router(nn.Module):
-    """A mixture-of-experts layer: top-2 gating, one_hot dispatch masks."""
+    """A mixture-of-experts layer: top-2 gating, one_hot masks counting each
+    expert's load (for a balancing loss), and each token's two expert outputs
+    combined with index_add."""
 
     def __init__(self, width: int = 4, experts: int = 3) -> None:
         super().__init__()
@@ -455,13 +457,14 @@ class Router(nn.Module):
         self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        probs = self.gate(x).softmax(-1)
+        weights, chosen = probs.topk(2, dim=-1)
         mask = F.one_hot(chosen, len(self.experts)).float()  # tokens x 2 x experts
-        dispatch = (mask * weights.unsqueeze(-1)).sum(1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out = out + dispatch[:, e : e + 1] * expert(x)
-        return out
+        balance = (mask.sum((0, 1)) * probs.mean(0)).sum()
+        outputs = torch.stack([expert(x) for expert in self.experts])
+        token = torch.arange(x.shape[0]).repeat_interleave(2)
+        picked = outputs[chosen.flatten(), token] * weights.flatten().unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token, picked) + 0.01 * balance
 
 
 def routed_step(
