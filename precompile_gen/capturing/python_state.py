@@ -136,13 +136,17 @@ def kept_as_found(
     for value in values:
         place = convention.python_value_holder(example_inputs, value.path)
         if place is not None:
-            places.append((*place, _held(*place)))
+            places.append((value.path, *place, _held(*place)))
     try:
         yield
     finally:
-        for holder, attribute, key, before in places:
+        for path, holder, attribute, key, before in places:
             if _held(holder, attribute, key) is not before:
-                _set_held(holder, attribute, key, before)
+                try:
+                    _set_held(holder, attribute, key, before)
+                except (AttributeError, LookupError, TypeError) as error:
+                    # A read-only place (a property) the function changed anyway.
+                    log.warning("capture could not set %s back: %s", path, error)
 
 
 _ABSENT = object()
