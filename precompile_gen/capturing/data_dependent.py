@@ -6,8 +6,9 @@ computes from it would be built into the graph for every call. Four common reads
 captured as eager runs them; every other one is refused, naming the line in fn's code.
 
 - ``t.item()`` in fn's own code gives an ``ItemValue``. Returned from fn, the graph
-  returns ``t`` and the driver calls ``.item()`` on it (``SCALAR_OUTPUTS``); any other
-  use of it is refused.
+  returns ``t`` and the driver calls ``.item()`` on it (``SCALAR_OUTPUTS``); a
+  float's arithmetic is the graph's (``ItemValue``'s docstring); any other use of it
+  is refused.
 - A ``bool(t)`` inside ``torch.distributions`` is argument validation (``if not
   valid.all(): raise ValueError``): the trace takes the example's branch and the graph
   asserts, at every call, that the call's value is the example's.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import operator
 import sys
 import sysconfig
 import types
@@ -183,8 +185,12 @@ def _depends_on_inputs(tensor: object) -> bool:
 
 class ItemValue:
     """``t.item()`` in fn's own code while traced: a value the graph does not have.
-    fn may return it (the artifact returns ``t.item()`` of the call's ``t``); any
-    other use would compute with the example's number, and is refused."""
+    fn may return it (the artifact returns ``t.item()`` of the call's ``t``), and a
+    float's may flow into arithmetic: with Python numbers, computed by the graph in
+    float64 as Python computes with floats, and with tensors, as a 0-dim float64
+    tensor, which ATen promotes as it does a Python number (``loss / loss.item()``).
+    Any other use (a comparison, a branch, a conversion, an int's arithmetic) would
+    compute with the example's number, and is refused."""
 
     __slots__ = ("fn_name", "tensor", "where")
 
@@ -199,13 +205,64 @@ class ItemValue:
             f"{self.where}, at {user_line()}"
         )
 
+    def _number(self) -> torch.Tensor | None:
+        """The value as the graph computes with it: a float's as float64; None for
+        any other kind of number, whose arithmetic is refused."""
+        if not self.tensor.is_floating_point():
+            return None
+        return self.tensor.to(torch.float64)
 
-# Every way Python computes with a number: each is a use of the example's value.
+
+def _arithmetic(name: str, reflected: bool) -> Callable[..., object]:
+    op = getattr(operator, name)
+
+    def compute(self: ItemValue, other: object) -> object:
+        number = self._number()
+        plain = isinstance(other, int | float) and not isinstance(other, bool)
+        if number is None or not (plain or _promotes_a_float(other)):
+            self._refuse()
+        if not isinstance(other, torch.Tensor):
+            if name == "truediv" and reflected:
+                # Python raises ZeroDivisionError where the graph would give inf.
+                torch._assert_async(
+                    number != 0,
+                    f"precompile_gen: a division by the number .item() gave at "
+                    f"{_in_message(self.where)} divides by zero, where eager raises "
+                    "ZeroDivisionError",
+                )
+            result = op(other, number) if reflected else op(number, other)
+            return _derived(self, result)
+        # As ATen computes with a Python float: in the dtype it promotes the
+        # tensor to, or float32 for a half-precision one (the scalar's opmath).
+        promoted = torch.result_type(other, 1.0)
+        at = torch.float32 if promoted in (torch.float16, torch.bfloat16) else promoted
+        a, b = other.to(at), number.to(at)
+        return (op(a, b) if reflected else op(b, a)).to(promoted)
+
+    return compute
+
+
+def _promotes_a_float(other: object) -> bool:
+    return isinstance(other, torch.Tensor) and not other.is_complex()
+
+
+def _derived(item: ItemValue, tensor: torch.Tensor) -> ItemValue:
+    return ItemValue(tensor, item.where, item.fn_name)
+
+
+def _negated(self: ItemValue) -> object:
+    number = self._number()
+    return self._refuse() if number is None else _derived(self, -number)
+
+
+# Every way Python computes with a number: each is a use of the example's value, but
+# a float's arithmetic, which the graph computes.
 _UNARY = ("bool", "float", "int", "index", "complex", "round", "trunc", "floor")
-_UNARY += ("ceil", "neg", "pos", "abs", "format", "str", "hash")
+_UNARY += ("ceil", "abs", "format", "str", "hash")
 _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
-_BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "divmod")
-_BINARY += ("and", "or", "xor", "lshift", "rshift", "matmul")
+_ARITHMETIC = ("add", "sub", "mul", "truediv")
+_BINARY = ("floordiv", "mod", "pow", "divmod", "and", "or", "xor", "lshift", "rshift")
+_BINARY += ("matmul",)
 for _name in [
     *_UNARY,
     *_COMPARISONS,
@@ -213,6 +270,11 @@ for _name in [
     *(f"r{name}" for name in _BINARY),
 ]:
     setattr(ItemValue, f"__{_name}__", ItemValue._refuse)
+for _name in _ARITHMETIC:
+    setattr(ItemValue, f"__{_name}__", _arithmetic(_name, reflected=False))
+    setattr(ItemValue, f"__r{_name}__", _arithmetic(_name, reflected=True))
+ItemValue.__neg__ = _negated  # type: ignore[attr-defined]
+ItemValue.__pos__ = lambda self: _negated(_negated(self))  # type: ignore[attr-defined]
 
 
 class _ValueReads(TorchFunctionMode):

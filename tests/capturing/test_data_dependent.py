@@ -1,7 +1,8 @@
 """Data-dependent code: what a function reads from tensor values.
 
 The common cases run on both backends as eager runs them: a training step that returns
-``loss.item()``, BatchNorm with ``momentum=None`` (a cumulative average that reads
+``loss.item()`` (or computes with it, ``loss / loss.item()``), BatchNorm with
+``momentum=None`` (a cumulative average that reads
 ``num_batches_tracked``), sampling from ``torch.distributions`` with argument
 validation on, ``F.one_hot`` with its number of classes (a mixture-of-experts router,
 soft targets; its range checked at every call), and ``torch.cond`` with inputs that
@@ -177,6 +178,78 @@ def test_cumulative_batch_norm_forward(bn_artifacts: dict[str, Callable]) -> Non
             torch.testing.assert_close(bn_artifacts[name](model, x), eager_model(x))
         assert_same_state(model, eager_model)
         assert batches_tracked(model) == (3 if mode else 0)
+
+
+# --- a float from .item() in arithmetic ----------------------------------------------
+
+
+def normalised_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss = loss / loss.detach().item()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def rescaled_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> float:
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    scale = 1.0 / (loss.item() + 1e-3)
+    (loss * scale * 2).backward()
+    opt.step()
+    return scale - 0.5
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def arithmetic_artifacts(request: pytest.FixtureRequest) -> dict[str, Callable]:
+    artifacts = {}
+    for fn in (normalised_step, rescaled_step):
+        model = make_regressor(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        example = (randn(6, 4, seed=1), randn(6, 1, seed=2))
+        artifacts[fn.__name__] = artifact(
+            fn, model, opt, *example, backend=request.param
+        )
+    return artifacts
+
+
+@pytest.mark.parametrize("fn", [normalised_step, rescaled_step])
+def test_a_float_from_item_flows_into_the_step_as_eager_computes_it(
+    arithmetic_artifacts: dict[str, Callable], fn: Callable[..., object]
+) -> None:
+    # The number changes at every call: the graph computes it, and the returned
+    # one is a Python float again.
+    model, twin = make_regressor(0), make_regressor(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for call in range(3):
+        x, y = randn(6, 4, seed=110 + call), randn(6, 1, seed=120 + call) * (call + 1)
+        got = arithmetic_artifacts[fn.__name__](model, opt, x, y)
+        expected = fn(twin, twin_opt, x, y)
+        assert type(got) is type(expected)
+        if isinstance(expected, torch.Tensor):
+            assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected)
+        assert_same_state(model, twin)
+
+
+def inverse_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return 1.0 / F.mse_loss(model(x), y).item()
+
+
+def test_dividing_by_an_item_of_zero_raises_where_eager_does() -> None:
+    model, x = make_regressor(0), randn(6, 4, seed=1)
+    forward = artifact(inverse_loss, model, x, randn(6, 1, seed=2), backend="eager")
+    y = model(x).detach()
+    with pytest.raises(ZeroDivisionError):
+        inverse_loss(model, x, y)
+    with pytest.raises(RuntimeError, match="divides by zero, where eager raises"):
+        forward(model, x, y)
 
 
 # --- torch.distributions -------------------------------------------------------------
@@ -374,7 +447,13 @@ def values_as_list(model: nn.Module, x: torch.Tensor) -> list:
 
 def computes_with_item(model: nn.Module, x: torch.Tensor) -> float:
     total = model(x).sum().item()
-    return total * 2
+    return round(total * 2, 3)
+
+
+def counts_with_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # An int's arithmetic (Python's ints do not overflow; the graph's would).
+    positive = (model(x) > 0).sum().item()
+    return model(x) * (positive + 1)
 
 
 def formats_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -389,7 +468,8 @@ def formats_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         (branch_on_value, "if out.sum() > 0:", "Python value"),
         (truth_of, "float(bool(", "Python value"),
         (values_as_list, ".tolist()", ".tolist()"),
-        (computes_with_item, "return total * 2", ".item()"),
+        (computes_with_item, "return round(total * 2, 3)", ".item()"),
+        (counts_with_item, "return model(x) * (positive + 1)", ".item()"),
         (formats_item, "print(", ".item()"),
     ],
 )
