@@ -232,6 +232,9 @@ def _arithmetic(name: str, reflected: bool) -> Callable[..., object]:
                 )
             result = op(other, number) if reflected else op(number, other)
             return _derived(self, result)
+        if name == "truediv" and not reflected:
+            # number / tensor: torch computes it as tensor.reciprocal() * number.
+            return _arithmetic("mul", reflected=True)(self, other.reciprocal())
         # As ATen computes with a Python float: in the dtype it promotes the
         # tensor to, or float32 for a half-precision one (the scalar's opmath).
         promoted = torch.result_type(other, 1.0)

@@ -238,6 +238,29 @@ def test_a_float_from_item_flows_into_the_step_as_eager_computes_it(
         assert_same_state(model, twin)
 
 
+def mixed_with_item(
+    model: nn.Module, x: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    s = model(x).sum().item()
+    return h * s, (h.to(torch.int64) + 3) / s, h.double() - s, (s * 3 - 1) / h.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_float_from_item_promotes_and_rounds_as_a_python_float(
+    dtype: torch.dtype,
+) -> None:
+    # Bit for bit on the eager backend: the dtypes ATen promotes to, the float32 it
+    # computes half precision in, and number / tensor as reciprocal() * number.
+    model, h = make_regressor(0), (randn(5, seed=3) * 7).to(dtype)
+    forward = artifact(mixed_with_item, model, randn(3, 4, seed=1), h, backend="eager")
+    for call in range(3):
+        x, h = randn(3, 4, seed=130 + call), (randn(5, seed=140 + call) * 7).to(dtype)
+        got, expected = forward(model, x, h), mixed_with_item(model, x, h)
+        assert isinstance(got, tuple)
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+
+
 def inverse_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return 1.0 / F.mse_loss(model(x), y).item()
 
