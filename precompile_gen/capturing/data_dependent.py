@@ -234,7 +234,7 @@ def _arithmetic(name: str, reflected: bool) -> Callable[..., object]:
             return _derived(self, result)
         if name == "truediv" and not reflected:
             # number / tensor: torch computes it as tensor.reciprocal() * number.
-            return _arithmetic("mul", reflected=True)(self, other.reciprocal())
+            return _REFLECTED_MUL(self, other.reciprocal())
         # As ATen computes with a Python float: in the dtype it promotes the
         # tensor to, or float32 for a half-precision one (the scalar's opmath).
         promoted = torch.result_type(other, 1.0)
@@ -253,9 +253,12 @@ def _derived(item: ItemValue, tensor: torch.Tensor) -> ItemValue:
     return ItemValue(tensor, item.where, item.fn_name)
 
 
-def _negated(self: ItemValue) -> object:
-    number = self._number()
-    return self._refuse() if number is None else _derived(self, -number)
+def _unary(op: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., object]:
+    def compute(self: ItemValue) -> object:
+        number = self._number()
+        return self._refuse() if number is None else _derived(self, op(number))
+
+    return compute
 
 
 # Every way Python computes with a number: each is a use of the example's value, but
@@ -276,8 +279,9 @@ for _name in [
 for _name in _ARITHMETIC:
     setattr(ItemValue, f"__{_name}__", _arithmetic(_name, reflected=False))
     setattr(ItemValue, f"__r{_name}__", _arithmetic(_name, reflected=True))
-ItemValue.__neg__ = _negated  # type: ignore[attr-defined]
-ItemValue.__pos__ = lambda self: _negated(_negated(self))  # type: ignore[attr-defined]
+ItemValue.__neg__ = _unary(operator.neg)  # type: ignore[attr-defined]
+ItemValue.__pos__ = _unary(operator.pos)  # type: ignore[attr-defined]
+_REFLECTED_MUL = _arithmetic("mul", reflected=True)
 
 
 class _ValueReads(TorchFunctionMode):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -77,10 +78,9 @@ def lift_constants(
         rejected[id(tensor)] = f"{where} (shape {tuple(tensor.shape)}, {tensor.dtype})"
     if rejected:
         # Alike tensors once, counted: a library's state is often several of them.
-        texts = list(rejected.values())
         counted = [
-            text if texts.count(text) == 1 else f"{texts.count(text)} x {text}"
-            for text in dict.fromkeys(texts)
+            text if count == 1 else f"{count} x {text}"
+            for text, count in Counter(rejected.values()).items()
         ]
         raise PrecompileError(
             "the function reads tensors that are neither inputs nor computed from "

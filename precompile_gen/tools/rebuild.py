@@ -44,20 +44,18 @@ def rebuild_report(python_code: str, cache: bytes) -> dict[str, Any]:
     pins: dict[str, str] = dict(metadata["KERNEL_BINARIES"] or {})  # type: ignore[arg-type]
     names: dict[str, str] = dict(metadata["KERNEL_SOURCES"] or {})  # type: ignore[arg-type]
     cpp = _cpp_kernels(python_code)
-    triton = {
-        name: source
-        for name, source in _triton_kernels(python_code)
-        if _triton_pins(pins, name)
-    }
-    rebuilt = _rebuilt([(argtypes, source) for _, argtypes, source in cpp], triton)
+    triton = _triton_kernels(python_code)
+    triton_pins = {name: _triton_pins(pins, name) for name in triton}
+    carried = {name: source for name, source in triton.items() if triton_pins[name]}
+    rebuilt = _rebuilt([(argtypes, source) for _, argtypes, source in cpp], carried)
     results = []
     for name, _, source in cpp:
         digest = source_digest(source)
         compared = _compare(names.get(digest), rebuilt["kernels"][digest], pins)
         results.append({"kernel": name, "kind": "C++", **compared})
-    for name, _ in _triton_kernels(python_code):
+    for name in triton:
         compared = _compare_triton(
-            _triton_pins(pins, name), rebuilt["triton"].get(name), payload
+            triton_pins[name], rebuilt["triton"].get(name), payload
         )
         results.append({"kernel": name, "kind": "Triton", **compared})
     recorded = payload.get("toolchain") or {}
@@ -192,13 +190,13 @@ def _call_of(python_code: str, name: str) -> ast.Call:
     raise PrecompileError(f"the artifact defines no kernel {name!r}")
 
 
-def _triton_kernels(python_code: str) -> list[tuple[str, str]]:
-    """Each Triton kernel of section 1: its name and its module's source."""
-    return [
-        (kernel.name, kernel.source)
+def _triton_kernels(python_code: str) -> dict[str, str]:
+    """Each Triton kernel of section 1, by name: its module's source."""
+    return {
+        kernel.name: kernel.source
         for kernel in find_kernels(parse_artifact(python_code).body)
         if kernel.kind == "triton"
-    ]
+    }
 
 
 def _triton_pins(pins: dict[str, str], name: str) -> dict[str, str]:

@@ -78,10 +78,11 @@ def _binary_lines(binaries: dict[str, Any]) -> list[str]:
             ["  kernels          no C++ kernel"] if not binaries["cpp_kernels"] else []
         )
     differing = binaries["differs_from_here"]
-    if not binaries["cpp_kernels"]:
+    if not binaries["cpp_kernels"] and not differing:
         # Triton's alone: where they load is a matter of the GPU (said below).
-        here = "built by this torch and Python" if not differing else ""
-        here = here or f"built by another ({', '.join(differing)} differ)"
+        here = "built by this torch and Python"
+    elif not binaries["cpp_kernels"]:
+        here = f"built by another ({', '.join(differing)} differ)"
     elif not differing:
         here = "they run here (same torch, Python, architecture and CPU capability)"
     else:
