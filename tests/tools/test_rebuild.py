@@ -131,3 +131,22 @@ def test_triton_kernels_for_a_gpu_rebuild_to_their_pins_but_a_swapped_cubin(
     assert "release" in recorded["ptxas"]
     assert report["toolchain"]["differs"] == []
     assert "for cuda 90" in rebuild.format_rebuild(report)
+
+
+def test_a_triton_kernel_the_rebuild_cannot_match_says_why() -> None:
+    pins: dict[str, str] = {
+        "triton/0/KEY/k.cubin": "a" * 64,
+        "triton/0/KEY/k.json": "b" * 64,
+    }
+    missing = rebuild._compare_triton(
+        pins, {"files": {"triton/0/OTHER/k.cubin": "a" * 64}}, {}
+    )
+    assert missing["result"] == "differs"
+    assert "the rebuild makes no triton/0/KEY/k.cubin (2 of the 2" in missing["why"]
+    assert "another Triton, assembler or target" in missing["why"]
+    failed = rebuild._compare_triton(pins, {"error": "PTXASError: boom"}, {})
+    assert failed == {"result": "cannot rebuild", "why": "PTXASError: boom"}
+    interpreted = rebuild._compare_triton({}, None, {"triton_interpreted": True})
+    assert interpreted["result"] == "not carried"
+    assert "Triton's interpreter" in interpreted["why"]
+    assert "Triton compiles it at load" in rebuild._compare_triton({}, None, {})["why"]
