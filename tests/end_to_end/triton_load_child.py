@@ -63,9 +63,13 @@ def main(name: str, folder: Path, steps: int) -> None:
 def _check_state(compiled: tuple[object, ...], reference: tuple[object, ...]) -> None:
     model, want = compiled[0], reference[0]
     assert isinstance(model, nn.Module) and isinstance(want, nn.Module)
+    # The interpreter sums in NumPy's order and eager in its vector width's; AdamW
+    # divides by the root of the squared gradients, which magnifies a last-bit
+    # difference of a gradient near zero (one parameter of 8 moved 1.2e-5 after 3
+    # steps on a 256-bit machine): a relative tolerance of 1e-4, 1e-5 absolute.
     for got, expected in zip(model.parameters(), want.parameters(), strict=True):
-        torch.testing.assert_close(got, expected)
-        torch.testing.assert_close(got.grad, expected.grad)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-4, atol=1e-5)
     if isinstance(compiled[1], torch.optim.Optimizer):
         assert isinstance(reference[1], torch.optim.Optimizer)
         got_state = compiled[1].state_dict()["state"]
