@@ -186,12 +186,31 @@ def check_unbacked_batch(device: str, width: int) -> str:
     return f"batch sizes {sizes}: outputs match eager"
 
 
+def sample(model: nn.Module, x: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(model(x) / temperature, dim=-1)
+
+
+def check_float_argument(device: str, width: int) -> str:
+    """A float argument is a number of the graph: a 0-dim CPU float64 tensor, which
+    Inductor's wrapper passes to the kernels as a scalar."""
+    model, x = mlp(width, device).eval(), _randn(16, width, device=device)
+    forward = _compiled(sample, model, x, 1.0)
+    temperatures = (1.0, 0.5, 2.0)
+    with torch.no_grad():
+        for temperature in temperatures:
+            torch.testing.assert_close(
+                forward(model, x, temperature), sample(model, x, temperature)
+            )
+    return f"temperatures {temperatures}: outputs match eager"
+
+
 CASES: dict[str, Callable[[str, int], str]] = {
     "MLP, LayerNorm + GELU, inference": check_inference,
     "training step, AdamW inside": check_training,
     "dropout under a seed": check_dropout,
     "checkpointed dropout, AdamW inside": check_checkpointed_dropout,
     "mark_unbacked batch dim": check_unbacked_batch,
+    "a float argument at three values": check_float_argument,
 }
 
 

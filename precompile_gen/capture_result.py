@@ -75,6 +75,7 @@ METADATA_NAMES: tuple[str, ...] = (
     "USER_INPUT_STRIDES",
     "USER_INPUT_SYMBOLS",
     "USER_INPUT_VALUES",
+    "NUMBER_INPUTS",
     "INDEX_CHECKS",
     "ALIASED_INPUTS",
     "MUTATED_INPUTS",
@@ -94,6 +95,7 @@ METADATA_NAMES: tuple[str, ...] = (
 OPTIONAL_METADATA: dict[str, object] = {
     "PYTHON_VALUES": [],
     "PYTREE_TYPES": [],
+    "NUMBER_INPUTS": {},
     "MUTATED_INPUTS": [],
     "INDEX_CHECKS": [],
     "OPTIMIZERS": [],
@@ -277,6 +279,11 @@ class InputLeaf(NamedTuple):
     # The value of a bool, int, float or str leaf, which the trace built into the
     # graph, so the driver holds each call to it; None for the others.
     value: LeafValue | None
+    # Whether it is a float the graph takes as a 0-dim float64 tensor (a number fn
+    # computes with), and where fn used it as a Python value, which the graph keeps
+    # the example's of (``value``); None where fn only computed with it.
+    number: bool = False
+    number_use: str | None = None
 
 
 # One op of the computation of an index from the input leaves: the aten op and
@@ -621,6 +628,9 @@ def _user_input_constants(
         "USER_INPUT_STRIDES": strides,
         "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
         "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
+        "NUMBER_INPUTS": {
+            index: leaf.number_use for index, leaf in enumerate(leaves) if leaf.number
+        },
     }
 
 

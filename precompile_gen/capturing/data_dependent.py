@@ -2,13 +2,16 @@
 
 make_fx records tensor operations, not Python values: a value read from a tensor while
 tracing (``bool(t)``, ``.item()``, ``.tolist()``) is the example's, and whatever fn
-computes from it would be built into the graph for every call. Four common reads are
-captured as eager runs them; every other one is refused, naming the line in fn's code.
+computes from it would be built into the graph for every call; so would a Python
+number passed in. Four common reads are captured as eager runs them, and float
+arguments are numbers of the graph; every other read is refused, naming the line in
+fn's code.
 
-- ``t.item()`` in fn's own code gives an ``ItemValue``. Returned from fn, the graph
-  returns ``t`` and the driver calls ``.item()`` on it (``SCALAR_OUTPUTS``); a
-  float's arithmetic is the graph's (``ItemValue``'s docstring); any other use of it
-  is refused.
+- ``t.item()`` in fn's own code, and each float argument, is a ``GraphNumber``: its
+  arithmetic is the graph's, and returned from fn, the graph returns its tensor and
+  the driver calls ``.item()`` on it (``SCALAR_OUTPUTS``). Any other use of an
+  argument's specialises the graph on its value (``FloatArguments``); of an
+  ``.item()``'s, it is refused.
 - A ``bool(t)`` inside ``torch.distributions`` is argument validation (``if not
   valid.all(): raise ValueError``): the trace takes the example's branch and the graph
   asserts, at every call, that the call's value is the example's.
@@ -29,13 +32,15 @@ import sys
 import sysconfig
 import types
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental import proxy_tensor
 from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils import _pytree as pytree
 
 from precompile_gen.runtime.errors import PrecompileError
 
@@ -123,11 +128,24 @@ def value_read_error(error: BaseException, fn_name: str) -> PrecompileError | No
     )
 
 
+def _is_operator(func: Callable[..., Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.startswith("__") and name.endswith("__")
+
+
+def _holds_numbers(tree: object) -> bool:
+    return any(isinstance(leaf, GraphNumber) for leaf in pytree.tree_leaves(tree))
+
+
+def _op_name(func: Callable[..., Any]) -> str:
+    name = resolve_name(func) or getattr(func, "__name__", repr(func))
+    return name.replace("torch.functional.", "torch.")
+
+
 def _op_refusal(
     reader: Callable[..., Any], error: BaseException, fn_name: str
 ) -> DataDependentError:
-    name = resolve_name(reader) or getattr(reader, "__name__", repr(reader))
-    name = name.replace("torch.functional.", "torch.")
+    name = _op_name(reader)
     instead = _INSTEAD.get(name, "")
     return DataDependentError(
         f"{fn_name!r} calls {name} at {_innermost_user_frame(error.__traceback__)}, "
@@ -183,54 +201,116 @@ def _depends_on_inputs(tensor: object) -> bool:
     return False
 
 
-class ItemValue:
-    """``t.item()`` in fn's own code while traced: a value the graph does not have.
-    fn may return it (the artifact returns ``t.item()`` of the call's ``t``), and a
-    float's may flow into arithmetic: with Python numbers, computed by the graph in
-    float64 as Python computes with floats, and with tensors, as a 0-dim float64
-    tensor, which ATen promotes as it does a Python number (``loss / loss.item()``).
-    Any other use (a comparison, a branch, a conversion, an int's arithmetic) would
-    compute with the example's number, and is refused."""
+@dataclass
+class FloatArguments:
+    """fn's float arguments, traced as graph inputs (0-dim float64 tensors), and
+    where fn used each other than in arithmetic: the graph keeps the example's value
+    of those, which the driver then holds each call to (``specialized``)."""
 
-    __slots__ = ("fn_name", "tensor", "where")
+    # The leaf index of each argument fn used as a Python value -> where it did first.
+    specialized: dict[int, str] = field(default_factory=dict)
 
-    def __init__(self, tensor: torch.Tensor, where: str, fn_name: str) -> None:
+
+class GraphNumber:
+    """A Python number fn computes with that the graph holds as a 0-dim tensor:
+    ``t.item()`` in fn's own code, or a float argument (``FloatArguments``), and
+    what fn computes from them.
+
+    Its arithmetic (+, -, *, / and negation, with Python numbers, tensors and other
+    such numbers) is the graph's: with numbers, in float64 as Python computes with
+    floats; with tensors, as ATen computes with a Python number (``loss /
+    loss.item()``, ``logits / temperature``). Returned from fn, the graph returns
+    its tensor and the driver calls ``.item()`` on it (``SCALAR_OUTPUTS``).
+
+    Any other use (a comparison, a branch, a conversion, a torch call that takes a
+    number) needs its value. Computed from float arguments alone, it has the
+    example's: the use specialises the graph on those arguments, as make_fx would,
+    and the driver holds each call to their values. Computed from ``.item()``, no
+    call could be checked against the example's number, and the use is refused."""
+
+    __slots__ = ("arguments", "fn_name", "sources", "tensor", "where")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        where: str | None,
+        fn_name: str,
+        sources: frozenset[int] = frozenset(),
+        arguments: FloatArguments | None = None,
+    ) -> None:
         self.tensor = tensor
+        # The line of the first .item() it is computed from; None for none.
         self.where = where
         self.fn_name = fn_name
+        # The float arguments (leaf indices) it is computed from.
+        self.sources = sources
+        self.arguments = arguments
 
-    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
-        raise _refusal(
-            f"{self.fn_name!r} computes with the Python number that .item() gave at "
-            f"{self.where}, at {user_line()}"
-        )
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        # isinstance(value, float) holds, as it does for the number eager has.
+        return float if self.tensor.is_floating_point() else int
 
     def _number(self) -> torch.Tensor | None:
         """The value as the graph computes with it: a float's as float64; None for
-        any other kind of number, whose arithmetic is refused."""
+        any other kind of number, whose arithmetic is a Python use."""
         if not self.tensor.is_floating_point():
             return None
         return self.tensor.to(torch.float64)
+
+    def example(self, why: str | None = None) -> float | int | bool:
+        """The example's value, for a use the graph cannot compute (``why`` names
+        the torch op); refused for a value computed from ``.item()``."""
+        if self.where is not None:
+            raise _refusal(
+                f"{self.fn_name!r} computes with the Python number that .item() gave "
+                f"at {self.where}, {why or 'at ' + user_line(3)}"
+            )
+        assert self.arguments is not None
+        line = user_line(3)
+        for leaf in sorted(self.sources):
+            self.arguments.specialized.setdefault(leaf, line)
+        with proxy_tensor.disable_proxy_modes_tracing():
+            return self.tensor.item()
+
+
+def example_values(tree: object, why: str) -> object:
+    """``tree`` with each ``GraphNumber`` in it replaced by the example's value."""
+    return pytree.tree_map_only(GraphNumber, lambda n: n.example(why), tree)
+
+
+def _python_use(name: str) -> Callable[..., object]:
+    def use(self: GraphNumber, *args: object) -> object:
+        value = self.example()
+        method = getattr(value, f"__{name}__", None)
+        if method is None:
+            return NotImplemented
+        return method(*[a.example() if isinstance(a, GraphNumber) else a for a in args])
+
+    return use
 
 
 def _arithmetic(name: str, reflected: bool) -> Callable[..., object]:
     op = getattr(operator, name)
 
-    def compute(self: ItemValue, other: object) -> object:
+    def compute(self: GraphNumber, other: object) -> object:
         number = self._number()
         plain = isinstance(other, int | float) and not isinstance(other, bool)
+        if isinstance(other, GraphNumber):
+            other_number = other._number()
+            if number is None or other_number is None:
+                return _PYTHON_USES[f"r{name}" if reflected else name](self, other)
+            result = op(other_number, number) if reflected else op(number, other_number)
+            return _derived(self, result, other)
         if number is None or not (plain or _promotes_a_float(other)):
-            self._refuse()
+            return _PYTHON_USES[f"r{name}" if reflected else name](self, other)
         if not isinstance(other, torch.Tensor):
             if name == "truediv" and reflected:
-                # Python raises ZeroDivisionError where the graph would give inf.
-                torch._assert_async(
-                    number != 0,
-                    f"precompile_gen: a division by the number .item() gave at "
-                    f"{_in_message(self.where)} divides by zero, where eager raises "
-                    "ZeroDivisionError",
-                )
-            result = op(other, number) if reflected else op(number, other)
+                _assert_nonzero(self, number)
+            # Both float64 tensors: Tensor.__rtruediv__ would multiply by the
+            # reciprocal, rounding twice where Python divides once.
+            other_number = number.new_full((), other)
+            result = op(other_number, number) if reflected else op(number, other_number)
             return _derived(self, result)
         if name == "truediv" and not reflected:
             # number / tensor: torch computes it as tensor.reciprocal() * number.
@@ -245,18 +325,46 @@ def _arithmetic(name: str, reflected: bool) -> Callable[..., object]:
     return compute
 
 
+def _assert_nonzero(divisor: GraphNumber, number: torch.Tensor) -> None:
+    # Python raises ZeroDivisionError where the graph would give inf.
+    what = (
+        f"the number .item() gave at {_in_message(divisor.where)}"
+        if divisor.where is not None
+        else "a float argument"
+    )
+    torch._assert_async(
+        number != 0,
+        f"precompile_gen: a division by {what} divides by zero, where eager raises "
+        "ZeroDivisionError",
+    )
+
+
 def _promotes_a_float(other: object) -> bool:
     return isinstance(other, torch.Tensor) and not other.is_complex()
 
 
-def _derived(item: ItemValue, tensor: torch.Tensor) -> ItemValue:
-    return ItemValue(tensor, item.where, item.fn_name)
+def _derived(
+    number: GraphNumber, tensor: torch.Tensor, other: GraphNumber | None = None
+) -> GraphNumber:
+    if other is None:
+        return GraphNumber(
+            tensor, number.where, number.fn_name, number.sources, number.arguments
+        )
+    return GraphNumber(
+        tensor,
+        number.where if number.where is not None else other.where,
+        number.fn_name,
+        number.sources | other.sources,
+        number.arguments or other.arguments,
+    )
 
 
 def _unary(op: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., object]:
-    def compute(self: ItemValue) -> object:
+    def compute(self: GraphNumber) -> object:
         number = self._number()
-        return self._refuse() if number is None else _derived(self, op(number))
+        if number is None:
+            return _PYTHON_USES[op.__name__](self)
+        return _derived(self, op(number))
 
     return compute
 
@@ -264,23 +372,28 @@ def _unary(op: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., object]:
 # Every way Python computes with a number: each is a use of the example's value, but
 # a float's arithmetic, which the graph computes.
 _UNARY = ("bool", "float", "int", "index", "complex", "round", "trunc", "floor")
-_UNARY += ("ceil", "abs", "format", "str", "hash")
+_UNARY += ("ceil", "abs", "format", "str", "repr", "hash", "neg", "pos")
 _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 _ARITHMETIC = ("add", "sub", "mul", "truediv")
 _BINARY = ("floordiv", "mod", "pow", "divmod", "and", "or", "xor", "lshift", "rshift")
 _BINARY += ("matmul",)
-for _name in [
-    *_UNARY,
-    *_COMPARISONS,
-    *_BINARY,
-    *(f"r{name}" for name in _BINARY),
-]:
-    setattr(ItemValue, f"__{_name}__", ItemValue._refuse)
+_PYTHON_USES = {
+    name: _python_use(name)
+    for name in [
+        *_UNARY,
+        *_COMPARISONS,
+        *_BINARY,
+        *(f"r{name}" for name in (*_BINARY, *_ARITHMETIC)),
+        *_ARITHMETIC,
+    ]
+}
+for _name, _use in _PYTHON_USES.items():
+    setattr(GraphNumber, f"__{_name}__", _use)
 for _name in _ARITHMETIC:
-    setattr(ItemValue, f"__{_name}__", _arithmetic(_name, reflected=False))
-    setattr(ItemValue, f"__r{_name}__", _arithmetic(_name, reflected=True))
-ItemValue.__neg__ = _unary(operator.neg)  # type: ignore[attr-defined]
-ItemValue.__pos__ = _unary(operator.pos)  # type: ignore[attr-defined]
+    setattr(GraphNumber, f"__{_name}__", _arithmetic(_name, reflected=False))
+    setattr(GraphNumber, f"__r{_name}__", _arithmetic(_name, reflected=True))
+GraphNumber.__neg__ = _unary(operator.neg)  # type: ignore[attr-defined]
+GraphNumber.__pos__ = _unary(operator.pos)  # type: ignore[attr-defined]
 _REFLECTED_MUL = _arithmetic("mul", reflected=True)
 
 
@@ -297,22 +410,18 @@ class _ValueReads(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> object:
         kwargs = kwargs or {}
+        if not _is_operator(func) and _holds_numbers((args, kwargs)):
+            # A number the op takes as a Python number: the example's (a Tensor
+            # operator returns NotImplemented instead, so that Python runs the
+            # number's own arithmetic).
+            args, kwargs = cast(
+                tuple[tuple[Any, ...], dict[str, Any]],
+                example_values((args, kwargs), f"passed to {_op_name(func)}"),
+            )
         if func is F.one_hot and _one_hot_checkable(*args, **kwargs):
             return _checked_one_hot(*args, **kwargs, where=user_line(code=False))
         if func not in _READS or not args:
-            try:
-                return func(*args, **kwargs)
-            except RuntimeError as error:
-                # The innermost torch function a value read fails in is the op
-                # whose own code reads it (F.one_hot's range check), not the user.
-                if (
-                    _MAKE_FX_VALUE_READ in str(error)
-                    and func not in _CONVERSIONS
-                    and not hasattr(error, _READER)
-                    and _library_only(error.__traceback__)
-                ):
-                    setattr(error, _READER, func)
-                raise
+            return _run_op(func, args, kwargs)
         if not _depends_on_inputs(args[0]):
             if isinstance(args[0], torch.Tensor) and not proxy_tensor.is_fake(args[0]):
                 # The same value at every call: read it, as make_fx reads constants.
@@ -321,7 +430,7 @@ class _ValueReads(TorchFunctionMode):
             return func(*args, **kwargs)
         caller = sys._getframe(1).f_code.co_filename
         if func is torch.Tensor.item and not is_library(caller):
-            return ItemValue(args[0].detach(), user_line(), self.fn_name)
+            return GraphNumber(args[0].detach(), user_line(), self.fn_name)
         if func is torch.Tensor.tolist:
             raise _refusal(
                 f"{self.fn_name!r} calls .tolist() on a tensor computed from its "
@@ -330,6 +439,24 @@ class _ValueReads(TorchFunctionMode):
         if func is torch.Tensor.__bool__ and caller.startswith(_DISTRIBUTIONS_DIR):
             return _asserted_bool(args[0], user_line(code=False))
         return func(*args, **kwargs)
+
+
+def _run_op(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> object:
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as error:
+        # The innermost torch function a value read fails in is the op whose own
+        # code reads it (F.one_hot's range check), not the user.
+        if (
+            _MAKE_FX_VALUE_READ in str(error)
+            and func not in _CONVERSIONS
+            and not hasattr(error, _READER)
+            and _library_only(error.__traceback__)
+        ):
+            setattr(error, _READER, func)
+        raise
 
 
 _READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__)
@@ -411,9 +538,9 @@ def value_reads(modules: list[torch.nn.Module], fn_name: str) -> Generator[None]
 def scalar_outputs(leaves: list[object]) -> tuple[list[object], list[int]]:
     """fn's result leaves with each returned ``.item()`` as its tensor, which the
     graph returns, and the positions the driver turns back into Python numbers."""
-    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, ItemValue)]
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, GraphNumber)]
     return [
-        leaf.tensor if isinstance(leaf, ItemValue) else leaf for leaf in leaves
+        leaf.tensor if isinstance(leaf, GraphNumber) else leaf for leaf in leaves
     ], positions
 
 

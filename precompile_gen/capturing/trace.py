@@ -195,8 +195,38 @@ def trace(
             fn, data_parallel.observable(example_inputs)
         )
     modes = _read_module_modes(call.modules)
+    traced = functools.partial(
+        _trace_graph, fn, example_inputs, call, modes, python_values, backend
+    )
+    try:
+        return traced(decompositions, numbers=True)
+    except Exception:
+        if not any(
+            type(leaf) is float for leaf in pytree.tree_leaves(call.user_inputs)
+        ):
+            raise
+    # fn failed with its float arguments as numbers the graph holds (a torch op
+    # that takes only a Python float, a check of their type): they are built in,
+    # as the example's values, and the driver holds each call to them.
+    log.debug("traced again with the float arguments built in")
+    return traced(decompositions, numbers=False)
+
+
+def _trace_graph(
+    fn: Callable[..., object],
+    example_inputs: tuple[object, ...],
+    call: _Arguments,
+    modes: _ModuleModes,
+    python_values: list[PythonValue],
+    backend: Backend,
+    decompositions: dict[Any, Callable[..., Any]] | None,
+    *,
+    numbers: bool,
+) -> TracedGraph:
+    """make_fx's graph of fn and its calling convention; with ``numbers``, fn's
+    float arguments are graph inputs."""
     lifted = _lift_state(call, example_inputs)
-    user = _flatten_user_inputs(call, lifted.state, backend)
+    user = _flatten_user_inputs(call, lifted.state, backend, numbers)
     inputs = _graph_inputs(lifted, user, backend)
     harvest = _Harvest(grad_enabled=torch.is_grad_enabled())
     flat_fn = _flat_function(
@@ -404,13 +434,16 @@ class _UserLeaves:
     names: list[str]
     marks: list[dict[int, dynamic_dims.DimMark]]
     symbolic: dynamic_dims.SymbolicInputs | None
+    # The float leaves traced as graph inputs (``data_dependent.FloatArguments``).
+    numbers: list[int]
 
 
 def _flatten_user_inputs(
-    call: _Arguments, state: ModuleState, backend: Backend
+    call: _Arguments, state: ModuleState, backend: Backend, numbers: bool
 ) -> _UserLeaves:
     """Flatten the user inputs, refusing a module among them and the dim marks the
-    artifact cannot honour."""
+    artifact cannot honour; with ``numbers``, the float leaves are traced as graph
+    inputs (a symbolic trace's are built in)."""
     # Before flattening: a dataclass is opened once registered.
     input_types = [
         path
@@ -434,7 +467,16 @@ def _flatten_user_inputs(
         if any(marks)
         else None
     )
-    return _UserLeaves(input_types, user_leaves, in_spec, leaf_names, marks, symbolic)
+    floats = [i for i, leaf in enumerate(user_leaves) if type(leaf) is float]
+    return _UserLeaves(
+        input_types,
+        user_leaves,
+        in_spec,
+        leaf_names,
+        marks,
+        symbolic,
+        floats if numbers and symbolic is None else [],
+    )
 
 
 @dataclass
@@ -528,6 +570,11 @@ def _tensors_to_trace(
     state = lifted.state
     if user.symbolic is None:
         flat_args = aliasing.copies_for_trace([*state.tensors, *user.leaves])
+        for index in user.numbers:
+            number = cast(float, user.leaves[index])
+            flat_args[len(state.tensors) + index] = torch.tensor(
+                number, dtype=torch.float64
+            )
         flat_args += optimizer_inputs
         return flat_args
     if lifted.optimizers:
@@ -564,6 +611,10 @@ class _Harvest:
     raised_by_fn: list[Exception] = field(default_factory=list)
     # The caller's grad mode: the trace turns it on to record a backward.
     grad_enabled: bool = True
+    # The float arguments fn computed with, and those it used as Python values.
+    float_arguments: data_dependent.FloatArguments = field(
+        default_factory=data_dependent.FloatArguments
+    )
 
 
 def _flat_function(
@@ -580,9 +631,16 @@ def _flat_function(
     then the parameters' gradients out."""
 
     def flat_fn(flat: list[Any]) -> list[object]:
-        user_inputs = pytree.tree_unflatten(
-            flat[inputs.num_state : inputs.state_start], user.in_spec
-        )
+        leaves = flat[inputs.num_state : inputs.state_start]
+        for index in user.numbers:
+            leaves[index] = data_dependent.GraphNumber(
+                leaves[index],
+                None,
+                call.fn_name,
+                frozenset({index}),
+                harvest.float_arguments,
+            )
+        user_inputs = pytree.tree_unflatten(leaves, user.in_spec)
         with _running_on_graph_inputs(flat, call, modes, lifted, inputs, harvest):
             args = _interleave(example_inputs, call.lifted_positions, user_inputs)
             try:
@@ -867,7 +925,7 @@ def _record(
         buffers=state_tensors[state.num_params :],
         in_spec=in_spec,
         in_structure=None if in_spec is None else pytree.treespec_pprint(user.in_spec),
-        leaves=_input_leaves(user),
+        leaves=_input_leaves(user, harvest.float_arguments),
         input_names=_input_names(call, state, updates, constants),
         aliased_inputs=inputs.aliased_inputs,
         out_spec=_dump_out_spec(harvest.out_spec),
@@ -986,8 +1044,12 @@ def _module_arguments(call: _Arguments, modes: _ModuleModes) -> list[ModuleArgum
     ]
 
 
-def _input_leaves(user: _UserLeaves) -> list[InputLeaf]:
-    """What the driver checks of each user-input leaf."""
+def _input_leaves(
+    user: _UserLeaves, float_arguments: data_dependent.FloatArguments
+) -> list[InputLeaf]:
+    """What the driver checks of each user-input leaf: a float traced as a graph
+    input keeps no value, unless fn used it as one."""
+    used = float_arguments.specialized
     return [
         InputLeaf(
             shape=_shape(leaf, marked),
@@ -995,16 +1057,22 @@ def _input_leaves(user: _UserLeaves) -> list[InputLeaf]:
             device=_device(leaf),
             bounds=bounds,
             symbols=symbols,
-            value=_leaf_value(leaf),
+            value=_leaf_value(leaf)
+            if index not in user.numbers or index in used
+            else None,
+            number=index in user.numbers,
+            number_use=used.get(index),
         )
-        for leaf, marked, bounds, symbols in zip(
-            user.leaves,
-            user.marks,
-            dynamic_dims.declared_bounds(user.marks),
-            [None] * len(user.leaves)
-            if user.symbolic is None
-            else user.symbolic.leaf_symbols,
-            strict=True,
+        for index, (leaf, marked, bounds, symbols) in enumerate(
+            zip(
+                user.leaves,
+                user.marks,
+                dynamic_dims.declared_bounds(user.marks),
+                [None] * len(user.leaves)
+                if user.symbolic is None
+                else user.symbolic.leaf_symbols,
+                strict=True,
+            )
         )
     ]
 

@@ -199,6 +199,8 @@ class DriverFeatures:
     deferred_steps: bool = False
     # Indices the graph takes from input leaves, checked against their range.
     index_checks: bool = False
+    # Float leaves the graph takes as 0-dim float64 tensors (NUMBER_INPUTS).
+    number_inputs: bool = False
 
     @property
     def layouts(self) -> bool:
@@ -235,6 +237,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         sparse_gradients=conv.sparse_gradients is not None,
         deferred_steps=bool(conv.deferred_steps),
         index_checks=bool(conv.index_checks),
+        number_inputs=any(leaf.number for leaf in leaves),
     )
 
 
@@ -523,6 +526,10 @@ def _state_row(
 def _leaf_row(
     name: str, index: int, leaf: InputLeaf, stride: tuple[int, ...] | None
 ) -> list[str]:
+    if leaf.number:
+        # A float the driver passes as the 0-dim tensor it was traced as.
+        value = "()" if leaf.value is None else f"= {leaf.value!r}"
+        return [name, f"input leaf {index}", value, "()", "float64", "cpu", "-"]
     if leaf.shape is None:
         value = "-" if leaf.value is None else f"= {leaf.value!r}"
         return [name, f"input leaf {index}", value, "-", "-", "-", "-"]

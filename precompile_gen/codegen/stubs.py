@@ -243,7 +243,10 @@ def all_features_capture(backend: Backend) -> CaptureResult:
         leaves=[
             *conv.leaves,
             InputLeaf((2, 4), "torch.float32", "cpu", None, None, None),
-            InputLeaf(None, None, None, None, None, 0.5),
+            # A float the graph takes as a number, and also compared.
+            InputLeaf(
+                None, None, None, None, None, 0.5, True, "step.py:7 (if scale > 1:)"
+            ),
         ],
         input_names=_ALL_FEATURES_INPUT_NAMES,
         in_spec=_NESTED_INPUT_SPEC,

@@ -208,7 +208,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 3cbeb27147a75cb6435507ddae7019ae29005ffa9a8a5a520a417abb129f9fdd)
+# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 5a4df9a9edd5e009255ec55e68d27456611825fe97fedd0e13ff468b70e9005c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -174,7 +174,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 24fc246838268623f564817029fe63c6518ffa98ff316f2b78f426393b14ea72)
+# 4. Runtime support: support + calls + captured_graph (sha256 ebed52f6a00cdf5d4d257931d914f414b21012af852ffc8bcd9436f97c8b8952)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -223,7 +223,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 f25ba609a0a2d64aa7115966c0ff0642cd733acd6c61d047e24e4ee3bc4cc9c5)
+# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 84da39dc8e702b39ee30d57c7c32ff481d69cfc5f8208c3f0760a13d7dd511db)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

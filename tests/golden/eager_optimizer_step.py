@@ -296,7 +296,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 b53fa02ff89eb0c0b7dddb51f40b35646d6a4e38938baea9e1871c96be3ecc87)
+# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 01c844f16ffcb05e8d133872bf5cbfeb4272784682c9e0ada27423de5cc4bdaa)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -189,7 +189,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 81569f6fdc447661ed5124d65a29573861e5894ac9fd3dcd8418b0a5766f5d3e)
+# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 ef2732c293e040feec5f0e0310985b85e7c468d8c2f76a395f94f0e6f9db7a4f)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -27,10 +27,10 @@
 #
 # Sections, and the line each starts on:
 # 1. compiled graph, line 36
-# 2. calling-convention metadata, line 63
-# 3. driver, line 165: its forward(), line 174, is what a call runs
+# 2. calling-convention metadata, line 64
+# 3. driver, line 170: its forward(), line 179, is what a call runs
 # 4. runtime support, the same in every artifact of this precompile_gen version (its
-#    sha256 in its title), line 188
+#    sha256 in its title), line 194
 
 # ====================================================================================
 # 1. Compiled graph: the captured ATen graph, run eagerly
@@ -46,7 +46,8 @@ def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, scale, a
     alias = torch.ops.aten.alias.default(relu);  alias = None
     t_1 = torch.ops.aten.t.default(p_2_weight);  p_2_weight = None
     addmm_1 = torch.ops.aten.addmm.default(p_2_bias, relu, t_1);  p_2_bias = relu = t_1 = None
-    mul = torch.ops.aten.mul.Tensor(addmm_1, 0.5);  addmm_1 = None
+    _to_copy = torch.ops.aten._to_copy.default(scale, dtype = torch.float32);  scale = None
+    mul = torch.ops.aten.mul.Tensor(addmm_1, _to_copy);  addmm_1 = _to_copy = None
     relu_1 = torch.ops.aten.relu.default(mul);  mul = None
     alias_1 = torch.ops.aten.alias.default(relu_1);  alias_1 = None
     return [relu_1]
@@ -92,7 +93,7 @@ PYTHON_VALUES: list[tuple[str, str]] = [("argument 0: .1.inplace", "False")]
 #   p_2_weight  2.weight      (2, 8)    (8, 1)  float32  cpu     yes
 #   p_2_bias    2.bias        (2,)      (1,)    float32  cpu     yes
 #   x           input leaf 0  (3, 4)    (4, 1)  float32  cpu     -
-#   scale       input leaf 1  = 0.5     -       -        -       -
+#   scale       input leaf 1  ()        ()      float64  cpu     -
 #   act         input leaf 2  = 'relu'  -       -        -       -
 # All modules' parameters, then all modules' buffers, in named_parameters() /
 # named_buffers() order, each tensor once (a tied weight appears under its first name).
@@ -149,7 +150,11 @@ USER_INPUT_STRIDES: list[tuple[int, ...] | None] = [(4, 1), None, None]
 USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None, None, None]
 # Per leaf: the value of a bool, int, float or str leaf, built into the graph as a
 # constant, so each call must pass the same; None for tensors and other values.
-USER_INPUT_VALUES: list[bool | int | float | str | None] = [None, 0.5, "relu"]
+USER_INPUT_VALUES: list[bool | int | float | str | None] = [None, None, "relu"]
+# The float leaves the graph takes as numbers (0-dim float64 tensors), each with
+# where the function used it as a Python value, which the graph keeps the example's
+# of (USER_INPUT_VALUES holds it); None where it only computed with it.
+NUMBER_INPUTS: dict[int, str | None] = {1: None}
 # Groups of graph inputs (indices into [*params, *buffers, *input leaves]) that shared
 # one storage at capture, e.g. a tensor passed twice, each member with its (storage
 # offset, strides) there. The graph was traced for exactly this aliasing.
@@ -177,6 +182,7 @@ def forward(*args: object, **keywords: object) -> object:
     if keywords or _autocast_enabled():
         return _call_without(forward, args, keywords)
     modules, leaves = _split_arguments(args)
+    _numbers_to_tensors(leaves)
     state = _checked_state(args, modules)
     _check_aliasing(args, state, leaves)
     inputs = [*state.tensors, *leaves]
@@ -185,7 +191,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 24fc246838268623f564817029fe63c6518ffa98ff316f2b78f426393b14ea72)
+# 4. Runtime support: support + calls + captured_graph (sha256 ebed52f6a00cdf5d4d257931d914f414b21012af852ffc8bcd9436f97c8b8952)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -204,7 +204,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + captured_graph (sha256 865cc340894877a6a38d606e46f9f81fa7704e18719b82e222f783b65a82c4a2)
+# 4. Runtime support: support + gradients + calls + captured_graph (sha256 a9abb0032912dc4f8701ae84f86db17852d786dc8ad26fed10c0b539e259110d)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

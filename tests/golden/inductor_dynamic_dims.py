@@ -394,7 +394,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 93e183bb85015bf4223ae6631e2ff5a7463ab5c9fe0a914e22cdfbaa70bb8abe)
+# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 e9f4a5d3d7d0a14bcfeb79234df83474619a30a08cff97c4fb123a781aa70ad8)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

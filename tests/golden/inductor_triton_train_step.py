@@ -1955,7 +1955,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 141d2cc5227350b2dd963981ea1353de0c4c9d135ee69da8266920cf91c89bd2)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 105cb72c23641656b04f9b9ced8987302b9268a10cfc5e25cc3e7d1479a8578f)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

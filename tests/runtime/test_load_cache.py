@@ -203,6 +203,9 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_SYMBOLS": [None, None, None],
         # The int extras["scale"] is built into the graph: calls must pass 2.
         "USER_INPUT_VALUES": [None, None, 2],
+        # Emitted only by a capture with float arguments it computes with; its
+        # absence reads as none.
+        "NUMBER_INPUTS": {},
         # Emitted only by a capture that indexes with its inputs; its absence reads
         # as none.
         "INDEX_CHECKS": [],
@@ -269,6 +272,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "USER_INPUT_STRIDES",
         "USER_INPUT_SYMBOLS",
         "USER_INPUT_VALUES",
+        "NUMBER_INPUTS",
         "INDEX_CHECKS",
         "ALIASED_INPUTS",
         "MUTATED_INPUTS",

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import pytest
 import torch
@@ -338,34 +338,44 @@ def test_tensor_where_example_had_non_tensor(
         torch.tensor(0.5),
         match=[
             "argument 2 (`scale`) is a tensor",
-            "non-tensor value",
-            "Pass the example's",
+            "traced with a float there",
+            "Pass a Python float",
         ],
     )
 
 
+def test_another_float_is_the_graph_s_number(
+    forward: Callable[..., object], model: nn.Module, batch: Batch
+) -> None:
+    # The trace only multiplied by scale: the graph takes it as a number.
+    assert forward.__globals__["NUMBER_INPUTS"] == {3: None}
+    eager = clone_with_grads(model)
+    got = forward(model, batch, 0.25)
+    assert torch.equal(cast(torch.Tensor, got), train_step(eager, batch, 0.25))
+    assert_same_state(model, eager, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
-    ("value", "shown"), [(0.25, "0.25"), (1, "1"), (True, "True"), ("0.5", "'0.5'")]
+    ("value", "shown"), [(1, "1"), (True, "True"), ("0.5", "'0.5'")]
 )
-def test_other_scalar_than_the_example(
+def test_other_scalar_than_a_float(
     forward: Callable[..., object],
     model: nn.Module,
     batch: Batch,
     value: object,
     shown: str,
 ) -> None:
-    # The trace multiplied by 0.5: another value, or 0.5's equal of another type,
-    # would silently compute with 0.5.
-    assert forward.__globals__["USER_INPUT_VALUES"] == [None, None, None, 0.5]
+    # 1 or True would compute as 1.0 here, but with an int tensor, or in Python,
+    # not as the float the graph was traced with.
     assert_call_rejected(
         forward,
         model,
         batch,
         value,
         match=[
-            f"argument 2 (`scale`) is {shown}, but the function was traced with 0.5",
-            "the graph has built in",
-            "Pass 0.5, or capture again with this value",
+            f"argument 2 (`scale`) is {shown}, but the function was traced with a "
+            "float there",
+            "Pass a Python float",
         ],
     )
 

@@ -19,6 +19,8 @@ _NUM_STATE: int = len(_STATE_NAMES)
 
 # The Python values the graph has built in, held at each call.
 _PYTHON_VALUES: list[tuple[str, str]] = globals().get("PYTHON_VALUES", [])
+# The float leaves the graph takes as numbers, and where fn used each as a value.
+_NUMBER_INPUTS: dict[int, str | None] = globals().get("NUMBER_INPUTS", {})
 # The graph inputs that were DTensors (the dtensors part checks their sharding).
 _DTENSOR_POSITIONS: dict[int, Any] = globals().get("DTENSORS", {})
 # Whether a message may suggest marking a dim dynamic: not where the trace holds
@@ -205,7 +207,11 @@ def _check_leaf(user_inputs: tuple[object, ...], index: int, leaf: object) -> No
 def _check_value_leaf(
     user_inputs: tuple[object, ...], index: int, leaf: object
 ) -> None:
-    # A leaf that was not a tensor at capture: the graph specialised on its value.
+    # A leaf that was not a tensor at capture: the graph specialised on its value,
+    # or takes it as a number.
+    if index in _NUMBER_INPUTS:
+        _check_number_leaf(user_inputs, index, leaf)
+        return
     if isinstance(leaf, torch.Tensor):
         _fail(
             f"{_leaf_name(user_inputs, index)} is a tensor, but the captured "
@@ -221,6 +227,39 @@ def _check_value_leaf(
             f"non-tensor inputs are specialised to the example. Pass {traced}, "
             "or capture again with this value (or with a tensor there, to vary "
             "it)."
+        )
+
+
+def _check_number_leaf(
+    user_inputs: tuple[object, ...], index: int, leaf: object
+) -> None:
+    name = _leaf_name(user_inputs, index)
+    if type(leaf) is not float:
+        shown = "a tensor" if isinstance(leaf, torch.Tensor) else reprlib.repr(leaf)
+        _fail(
+            f"{name} is {shown}, but the function was traced with a "
+            "float there, which the graph takes as a number. Pass a Python float "
+            "(float(value))."
+        )
+    value = USER_INPUT_VALUES[index]
+    if value is not None and leaf != value:
+        _fail(
+            f"{name} is {leaf!r}, but the function used its traced value {value!r} "
+            f"as a Python value at {_NUMBER_INPUTS[index]} (a comparison, a "
+            "conversion, or an argument of a torch function that takes only a "
+            f"number), which the graph has built in. Pass {value!r}, or compute "
+            "with it there as with a number (arithmetic, or a tensor argument) and "
+            "capture again."
+        )
+
+
+def _numbers_to_tensors(leaves: list[object]) -> None:
+    # The graph takes each float leaf it computes with (NUMBER_INPUTS) as the 0-dim
+    # float64 tensor it was traced with; the checks that follow see what it sees (an
+    # index computed from one is checked as the graph computes it).
+    for index in _NUMBER_INPUTS:
+        leaves[index] = torch.scalar_tensor(
+            cast(float, leaves[index]), dtype=torch.float64
         )
 
 
