@@ -21,6 +21,8 @@ fn's code.
 - ``BatchNorm(momentum=None)`` in training mode divides by
   ``float(num_batches_tracked)``: its forward is traced as the same update with the
   factor kept a tensor (``cumulative_batch_norms``).
+
+A read of a size that values decide (``len(t[mask])``) is ``value_sizes``' to judge.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import _pytree as pytree
 
+from precompile_gen.capturing import value_sizes
 from precompile_gen.runtime.errors import PrecompileError
 
 # Frames in these folders are library code (torch, this package, the standard
@@ -116,6 +119,9 @@ def _innermost_user_frame(traceback: types.TracebackType | None) -> str:
 def value_read_error(error: BaseException, fn_name: str) -> PrecompileError | None:
     """make_fx's refusal of a value read, as a ``PrecompileError`` naming the line of
     fn's code that read it; None for any other error."""
+    size_use = value_sizes.size_use_error(error, fn_name)
+    if size_use is not None:
+        return size_use
     if not isinstance(error, RuntimeError) or _MAKE_FX_VALUE_READ not in str(error):
         return None
     reader = getattr(error, _READER, None)
@@ -401,6 +407,7 @@ class _ValueReads(TorchFunctionMode):
     def __init__(self, fn_name: str) -> None:
         super().__init__()
         self.fn_name = fn_name
+        self.size_reads = value_sizes.SizeReads()
 
     def __torch_function__(
         self,
@@ -418,6 +425,9 @@ class _ValueReads(TorchFunctionMode):
                 tuple[tuple[Any, ...], dict[str, Any]],
                 example_values((args, kwargs), f"passed to {_op_name(func)}"),
             )
+        size = self.size_reads.read(func, args, user_line, self.fn_name)
+        if size is not value_sizes.NOT_A_SIZE_READ:
+            return size
         if func is F.one_hot and _one_hot_checkable(*args, **kwargs):
             return _checked_one_hot(*args, **kwargs, where=user_line(code=False))
         if func not in _READS or not args:

@@ -64,6 +64,7 @@ from precompile_gen.capturing import (
     sparse_gradients,
     tensor_literals,
     update_order,
+    value_sizes,
 )
 from precompile_gen.codegen import convention
 from precompile_gen.runtime.errors import (
@@ -251,6 +252,7 @@ def _trace_graph(
             on_shards,
         )
     python_state.reject_torch_generators(gm, fn, generators)
+    value_sizes.reject_pinned_sizes(gm, call.fn_name)
     dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
     updates = _read_updates(gm, call, lifted, inputs, harvest)
     constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
