@@ -22,7 +22,10 @@ fn's code.
   ``float(num_batches_tracked)``: its forward is traced as the same update with the
   factor kept a tensor (``cumulative_batch_norms``).
 
-A read of a size that values decide (``len(t[mask])``) is ``value_sizes``' to judge.
+A read of a size that values decide (``len(t[mask])``) is ``value_sizes``' to judge. A
+value read from a tensor computed from constants alone is the same at every call, and
+is read: by fn (``torch.arange(3).tolist()``) or inside ``torch.istft``
+(``_ConstantReads``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 from torch.fx.experimental import proxy_tensor
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from precompile_gen.capturing import value_sizes
 from precompile_gen.runtime.errors import PrecompileError
@@ -455,6 +459,9 @@ def _run_op(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> object:
     try:
+        if func in _READING_CONSTANTS:
+            with _ConstantReads():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
     except RuntimeError as error:
         # The innermost torch function a value read fails in is the op whose own
@@ -536,6 +543,41 @@ def _asserted_bool(tensor: torch.Tensor, where: str) -> bool:
         "is outside its constraint, where eager raises ValueError",
     )
     return value
+
+
+class _ConstantReads(TorchDispatchMode):
+    """A value an op reads inside itself (``torch.istft`` compares its window's
+    envelope, ``aten.equal``) from tensors computed from constants alone (a
+    ``torch.hann_window`` fn creates) is the same at every call: read, as make_fx
+    reads constants, where make_fx would refuse any read of a traced tensor."""
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: object,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> object:
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs)) if func in _OP_READS else []
+        if leaves and not any(
+            proxy_tensor.is_fake(leaf) or _depends_on_inputs(leaf) for leaf in leaves
+        ):
+            with proxy_tensor.disable_proxy_modes_tracing():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# The ops that give a tensor's value to the C++ code that calls them.
+_OP_READS = {
+    torch.ops.aten.equal.default,
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+}
+
+
+# The torch functions that read such values inside, traced under ``_ConstantReads``.
+_READING_CONSTANTS = {torch.istft, torch.Tensor.istft}
 
 
 @contextlib.contextmanager
