@@ -319,7 +319,7 @@ def _arithmetic(name: str, reflected: bool) -> Callable[..., object]:
                 _assert_nonzero(self, number)
             # Both float64 tensors: Tensor.__rtruediv__ would multiply by the
             # reciprocal, rounding twice where Python divides once.
-            other_number = number.new_full((), other)
+            other_number = number.new_full((), cast(float, other))
             result = op(other_number, number) if reflected else op(number, other_number)
             return _derived(self, result)
         if name == "truediv" and not reflected:

@@ -17,7 +17,7 @@ whose ops pin a symbol to the example's number is refused (``reject_pinned_sizes
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 from torch.fx.experimental import proxy_tensor
@@ -28,7 +28,7 @@ from precompile_gen.runtime.errors import PrecompileError
 # The reads of a tensor's sizes as Python ints, and the dims each reads: all of them,
 # or the one its argument names (size(d)), or the first (len).
 _ALL_DIMS = (torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement)
-_SHAPE = torch.Tensor.shape.__get__
+_SHAPE = cast(Any, torch.Tensor).shape.__get__
 
 
 def _read_dims(
@@ -150,7 +150,7 @@ class SymbolicSizes:
         if node.op != "call_function" or not callable(node.target):
             return None
         args, kwargs = torch.fx.node.map_arg(
-            (node.args, node.kwargs), lambda n: self.values.get(n)
+            (node.args, node.kwargs), lambda n: cast(Any, self.values.get(n))
         )
         try:
             return node.target(*args, **kwargs)

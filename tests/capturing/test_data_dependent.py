@@ -555,7 +555,7 @@ def one_hot_labels(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.one_hot(labels)
 
 
-def resynthesised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def resynthesised(model: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # A learnt window: istft's check of its envelope reads the weights' values.
     # (A torch.hann_window, the same at every call, is read: test_istft_after_...)
     window = model.weight[0, :8].sigmoid()
