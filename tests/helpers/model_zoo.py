@@ -116,13 +116,13 @@ def gpt2() -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def bert() -> nn.Module:
+def bert(layers: int = 2) -> nn.Module:
     pytest.importorskip("transformers")
     from transformers import BertConfig, BertForSequenceClassification
 
     dropout = 0.1
     config = BertConfig(
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         hidden_size=32,
         num_attention_heads=2,
         intermediate_size=64,
