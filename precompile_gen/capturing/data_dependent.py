@@ -274,7 +274,7 @@ class GraphNumber:
         if self.where is not None:
             raise _refusal(
                 f"{self.fn_name!r} computes with the Python number that .item() gave "
-                f"at {self.where}, {why or 'at ' + user_line(3)}"
+                f"at {self.where}, {why + ' ' if why else ''}at {user_line(3)}"
             )
         assert self.arguments is not None
         line = user_line(3)
@@ -408,9 +408,12 @@ _REFLECTED_MUL = _arithmetic("mul", reflected=True)
 
 
 class _ValueReads(TorchFunctionMode):
-    def __init__(self, fn_name: str) -> None:
+    def __init__(self, fn_name: str, numbers: bool) -> None:
         super().__init__()
         self.fn_name = fn_name
+        # Whether a GraphNumber may be among an op's arguments: fn has float
+        # arguments, or has read an .item(). Until then no op's are searched.
+        self.numbers = numbers
         self.size_reads = value_sizes.SizeReads()
 
     def __torch_function__(
@@ -421,7 +424,7 @@ class _ValueReads(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> object:
         kwargs = kwargs or {}
-        if not _is_operator(func) and _holds_numbers((args, kwargs)):
+        if self.numbers and not _is_operator(func) and _holds_numbers((args, kwargs)):
             # A number the op takes as a Python number: the example's (a Tensor
             # operator returns NotImplemented instead, so that Python runs the
             # number's own arithmetic).
@@ -444,6 +447,7 @@ class _ValueReads(TorchFunctionMode):
             return func(*args, **kwargs)
         caller = sys._getframe(1).f_code.co_filename
         if func is torch.Tensor.item and not is_library(caller):
+            self.numbers = True
             return GraphNumber(args[0].detach(), user_line(), self.fn_name)
         if func is torch.Tensor.tolist:
             raise _refusal(
@@ -581,9 +585,12 @@ _READING_CONSTANTS = {torch.istft, torch.Tensor.istft}
 
 
 @contextlib.contextmanager
-def value_reads(modules: list[torch.nn.Module], fn_name: str) -> Generator[None]:
-    """While fn is traced: the reads described in the module docstring."""
-    with cumulative_batch_norms(modules), _ValueReads(fn_name):
+def value_reads(
+    modules: list[torch.nn.Module], fn_name: str, float_arguments: bool
+) -> Generator[None]:
+    """While fn is traced (with ``float_arguments`` as GraphNumbers, if any): the
+    reads described in the module docstring."""
+    with cumulative_batch_norms(modules), _ValueReads(fn_name, float_arguments):
         yield
 
 

@@ -643,7 +643,9 @@ def _flat_function(
                 harvest.float_arguments,
             )
         user_inputs = pytree.tree_unflatten(leaves, user.in_spec)
-        with _running_on_graph_inputs(flat, call, modes, lifted, inputs, harvest):
+        with _running_on_graph_inputs(
+            flat, call, modes, lifted, inputs, harvest, bool(user.numbers)
+        ):
             args = _interleave(example_inputs, call.lifted_positions, user_inputs)
             try:
                 result = fn(*args)
@@ -665,10 +667,12 @@ def _running_on_graph_inputs(
     lifted: _LiftedState,
     inputs: _GraphInputs,
     harvest: _Harvest,
+    float_arguments: bool,
 ) -> Generator[None]:
     """While fn runs traced: the modules and optimizers read and update the graph
     inputs ``flat`` in place of their own tensors, and what fn does to modes,
-    ``.grad`` fields, tensor values and sparse steps is recorded or refused."""
+    ``.grad`` fields, tensor values and sparse steps is recorded or refused
+    (``float_arguments``: whether fn's floats are GraphNumbers)."""
     state, num_params = lifted.state, inputs.num_params
     with (
         _modes_restored(modes.submodules, modes.training),
@@ -687,7 +691,7 @@ def _running_on_graph_inputs(
             [entry.optimizer for entry in lifted.optimizers],
             harvest.stepped,
         ),
-        data_dependent.value_reads(call.modules, call.fn_name),
+        data_dependent.value_reads(call.modules, call.fn_name, float_arguments),
         data_parallel.reducing(
             call.modules, *_module_params(state, flat, len(call.modules))
         ),

@@ -520,6 +520,11 @@ def counts_with_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x) * (positive + 1)
 
 
+def tensor_of_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    total = model(x).sum().item()
+    return model(x) * torch.tensor([total])
+
+
 def formats_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = model(x)
     print(f"{out.mean().item():.3f}")
@@ -535,6 +540,7 @@ def formats_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         (computes_with_item, "return round(total * 2, 3)", ".item()"),
         (counts_with_item, "return model(x) * (positive + 1)", ".item()"),
         (formats_item, "print(", ".item()"),
+        (tensor_of_item, "torch.tensor([total])", "passed to torch.tensor"),
     ],
 )
 def test_value_read_names_the_line_and_the_fixes(
@@ -545,7 +551,7 @@ def test_value_read_names_the_line_and_the_fixes(
     message = assert_refused(
         fn, model, randn(6, 4, seed=1), match=[line_of(fn, text), what, fn.__name__]
     )
-    if fn is computes_with_item:
+    if fn in (computes_with_item, tensor_of_item):
         assert line_of(fn, "total = ") in message
 
 
