@@ -440,6 +440,11 @@ class CallConvention:
     # holds it to: the driver checks them first, so that a bad index raises before
     # any op runs (a compiled kernel's own check may abort the process instead).
     index_checks: list[IndexCheck] = field(default_factory=list)
+    # The branches on tensor values the graph holds (``capturing.branches``), each
+    # as its user's line (file:line and code) and what the graph does there: a
+    # torch.cond of both sides, or one side and an assertion that refuses a call
+    # taking the other.
+    value_branches: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

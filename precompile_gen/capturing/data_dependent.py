@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precompile_gen.capturing import value_sizes
+from precompile_gen.capturing import branches, value_sizes
 from precompile_gen.runtime.errors import PrecompileError
 
 # Frames in these folders are library code (torch, this package, the standard
@@ -83,20 +83,37 @@ def is_library(filename: str) -> bool:
     return filename.startswith(_LIBRARY_DIRS)
 
 
-def _where(filename: str, lineno: int, *, code: bool = True) -> str:
+def _where(
+    filename: str, lineno: int, *, code: bool = True, portable: bool = False
+) -> str:
     line = linecache.getline(filename, lineno).strip() if code else ""
-    return f"{filename}:{lineno}" + (f" ({line})" if line else "")
+    shown = _portable(filename) if portable else filename
+    return f"{shown}:{lineno}" + (f" ({line})" if line else "")
 
 
-def user_line(skip: int = 2, *, code: bool = True) -> str:
+def _portable(filename: str) -> str:
+    """``filename`` as the artifact's text names it, with no folder of the capturing
+    machine: relative to the working directory where it lies under it, from the
+    library's own folder for torch's (``torch/...``), else its name alone."""
+    path = Path(filename)
+    for root in (Path.cwd(), Path(torch.__file__).parents[1]):
+        if path.is_relative_to(root):
+            return path.relative_to(root).as_posix()
+    return path.name
+
+
+def user_line(skip: int = 2, *, code: bool = True, portable: bool = False) -> str:
     """The innermost frame of the user's code on the current stack, from the caller's
-    caller outward (``skip`` frames up from here)."""
+    caller outward (``skip`` frames up from here); ``portable``: its file named as
+    the artifact's text may name it (``_portable``)."""
     frame: types.FrameType | None = sys._getframe(skip)
     while frame is not None and is_library(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return "an unknown line"
-    return _where(frame.f_code.co_filename, frame.f_lineno, code=code)
+    return _where(
+        frame.f_code.co_filename, frame.f_lineno, code=code, portable=portable
+    )
 
 
 def _library_only(traceback: types.TracebackType | None) -> bool:
@@ -133,7 +150,8 @@ def value_read_error(error: BaseException, fn_name: str) -> PrecompileError | No
         return _op_refusal(reader, error, fn_name)
     return _refusal(
         f"{fn_name!r} converts a tensor computed from its inputs to a Python value "
-        "(if t: ..., bool(t), float(t), int(t) or .item()) at "
+        "(float(t), int(t), .item(); with mark_unbacked dims also bool(t) or if t:) "
+        "at "
         f"{_innermost_user_frame(error.__traceback__)}"
     )
 
@@ -277,7 +295,8 @@ class GraphNumber:
                 f"at {self.where}, {why + ' ' if why else ''}at {user_line(3)}"
             )
         assert self.arguments is not None
-        line = user_line(3)
+        # The artifact's metadata carries it (NUMBER_INPUTS).
+        line = user_line(3, portable=True)
         for leaf in sorted(self.sources):
             self.arguments.specialized.setdefault(leaf, line)
         with proxy_tensor.disable_proxy_modes_tracing():
@@ -338,7 +357,7 @@ def _arithmetic(name: str, reflected: bool) -> Callable[..., object]:
 def _assert_nonzero(divisor: GraphNumber, number: torch.Tensor) -> None:
     # Python raises ZeroDivisionError where the graph would give inf.
     what = (
-        f"the number .item() gave at {_in_message(divisor.where)}"
+        f"the number .item() gave at {branches.assertion_message(divisor.where)}"
         if divisor.where is not None
         else "a float argument"
     )
@@ -445,18 +464,43 @@ class _ValueReads(TorchFunctionMode):
                 with proxy_tensor.disable_proxy_modes_tracing():
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
-        caller = sys._getframe(1).f_code.co_filename
+        return self._read(func, args, kwargs, sys._getframe(1))
+
+    def _read(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        frame: types.FrameType,
+    ) -> object:
+        """A read of a value computed from the inputs, called from ``frame``."""
+        caller = frame.f_code.co_filename
         if func is torch.Tensor.item and not is_library(caller):
             self.numbers = True
-            return GraphNumber(args[0].detach(), user_line(), self.fn_name)
+            return GraphNumber(args[0].detach(), user_line(3), self.fn_name)
         if func is torch.Tensor.tolist:
             raise _refusal(
                 f"{self.fn_name!r} calls .tolist() on a tensor computed from its "
-                f"inputs at {user_line()}"
+                f"inputs at {user_line(3)}"
             )
         if func is torch.Tensor.__bool__ and caller.startswith(_DISTRIBUTIONS_DIR):
-            return _asserted_bool(args[0], user_line(code=False))
+            return _asserted_bool(args[0], user_line(3, code=False))
+        if func is torch.Tensor.__bool__:
+            outcome = branches.read(args[0], _branch_line(frame))
+            if outcome is not None:
+                return outcome
         return func(*args, **kwargs)
+
+
+def _branch_line(frame: types.FrameType) -> str:
+    """Where a branch reads a value, as the artifact's header names it: the user's
+    line, and the library's line that reads it where a library does (a module's
+    forward)."""
+    where = user_line(4, portable=True)
+    if not is_library(frame.f_code.co_filename):
+        return where
+    library = _where(frame.f_code.co_filename, frame.f_lineno, portable=True)
+    return f"{library}, called from {where}"
 
 
 def _run_op(
@@ -513,7 +557,7 @@ def _checked_one_hot(
     """``F.one_hot(tensor, num_classes)`` without reading a value: the same int64
     encoding, computed by comparing with each class, and the range eager checks
     (where it raises) asserted in the graph at every call."""
-    place = _in_message(where)
+    place = branches.assertion_message(where)
     in_range = ((tensor >= 0) & (tensor < num_classes)).all()
     torch._assert_async(
         in_range,
@@ -525,11 +569,6 @@ def _checked_one_hot(
     return (tensor.unsqueeze(-1) == classes).to(torch.int64)
 
 
-def _in_message(where: str) -> str:
-    # Inductor writes an assertion's message into a C++ string literal.
-    return where.replace("\\", "/").replace('"', "'")
-
-
 def _asserted_bool(tensor: torch.Tensor, where: str) -> bool:
     """The example's ``bool(tensor)``, with an assertion in the graph that each call
     gives the same: the trace follows the example's branch only."""
@@ -539,7 +578,7 @@ def _asserted_bool(tensor: torch.Tensor, where: str) -> bool:
     with proxy_tensor.disable_proxy_modes_tracing():
         value = bool(tensor)
     held = tensor.bool() if value else tensor.logical_not()
-    place = _in_message(where)
+    place = branches.assertion_message(where)
     torch._assert_async(
         held,
         "precompile_gen: a torch.distributions argument check gives another result "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.utils._pytree as pytree
 from torch.fx.graph import _Namespace
 
@@ -104,3 +105,24 @@ def _key_text(key: object) -> str:
     if isinstance(key, pytree.GetAttrKey):
         return key.name
     return str(key)
+
+
+def name_inputs(gm: torch.fx.GraphModule, input_names: list[str]) -> None:
+    """Give the graph's inputs ``input_names`` (valid, unique identifiers), as its
+    function's parameters. make_fx's graph takes one list, ``flat``, and unpacks it by
+    a spec into ``flat_1``, ``flat_2``, ...; the graph is copied into one with fx's
+    plain code instead, its inputs created first so that they keep their names and
+    the nodes after them give way. The ops and their order are unchanged."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(input_names):
+        raise RuntimeError(
+            f"the graph has {len(placeholders)} inputs, but {len(input_names)} names"
+        )
+    graph = torch.fx.Graph(owning_module=gm)
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node, name in zip(placeholders, input_names, strict=True):
+        copied[node] = graph.placeholder(name, type_expr=node.type)
+        copied[node].meta = dict(node.meta)
+    graph.output(graph.graph_copy(gm.graph, copied))
+    gm.graph = graph
+    gm.recompile()

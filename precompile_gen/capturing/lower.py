@@ -29,7 +29,12 @@ from precompile_gen.capture_result import (
     Strides,
     TensorLiteral,
 )
-from precompile_gen.capturing import data_parallel, kernel_builds, update_order
+from precompile_gen.capturing import (
+    data_parallel,
+    graph_names,
+    kernel_builds,
+    update_order,
+)
 from precompile_gen.capturing.trace import TracedGraph
 from precompile_gen.codegen import inductor_imports, inductor_module, layout
 from precompile_gen.runtime import kernel_binaries
@@ -173,8 +178,8 @@ def _eager_graph(
     # globals; the artifact imports them explicitly instead.
     from torch.fx.graph import _custom_builtins
 
+    graph_names.name_inputs(gm, input_names)
     branches = _branch_sources(gm)
-    _name_inputs(gm, input_names)
     source = _graph_function(gm, "_graph_forward")
     source += "".join(f"\n\n{code}" for _, code in branches)
     # Only those the code uses: with its inputs as parameters, it no longer unpacks
@@ -185,27 +190,6 @@ def _eager_graph(
         if re.search(rf"\b{re.escape(name)}\b", source)
     ]
     return source, imports, [name for name, _ in branches]
-
-
-def _name_inputs(gm: torch.fx.GraphModule, input_names: list[str]) -> None:
-    """Give the graph's inputs ``input_names`` (valid, unique identifiers), as its
-    function's parameters. make_fx's graph takes one list, ``flat``, and unpacks it by
-    a spec into ``flat_1``, ``flat_2``, ...; the graph is copied into one with fx's
-    plain code instead, its inputs created first so that they keep their names and
-    the nodes after them give way. The ops and their order are unchanged."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    if len(placeholders) != len(input_names):
-        raise RuntimeError(
-            f"the graph has {len(placeholders)} inputs, but {len(input_names)} names"
-        )
-    graph = torch.fx.Graph(owning_module=gm)
-    copied: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node, name in zip(placeholders, input_names, strict=True):
-        copied[node] = graph.placeholder(name, type_expr=node.type)
-        copied[node].meta = dict(node.meta)
-    graph.output(graph.graph_copy(gm.graph, copied))
-    gm.graph = graph
-    gm.recompile()
 
 
 def _graph_function(gm: torch.fx.GraphModule, name: str) -> str:
@@ -241,6 +225,7 @@ def _branch_sources(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
             branch = getattr(module, str(node.target))
             if isinstance(branch, torch.fx.GraphModule):
                 name = prefix + str(node.target)
+                _name_operands(branch, node)
                 visit(branch, name + "__")
                 branches.append((name, _graph_function(branch, f"_graph_{name}")))
                 node.target = name
@@ -248,6 +233,21 @@ def _branch_sources(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
 
     visit(gm, "")
     return branches
+
+
+def _name_operands(branch: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Name the inputs of a torch.cond branch (``node`` reads it) after the values
+    of the enclosing graph that the cond passes it."""
+    (cond,) = node.users
+    operands = cond.args[3]
+    assert isinstance(operands, (list, tuple))
+    placeholders = list(branch.graph.find_nodes(op="placeholder"))
+    names = [
+        operand.name if isinstance(operand, torch.fx.Node) else placeholder.name
+        for operand, placeholder in zip(operands, placeholders, strict=True)
+    ]
+    if names != [placeholder.name for placeholder in placeholders]:
+        graph_names.name_inputs(branch, names)
 
 
 def _rewrite_imports(graph_source: str) -> tuple[str, list[ImportRewrite]]:

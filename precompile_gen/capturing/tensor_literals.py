@@ -21,7 +21,7 @@ MAX_CONSTANT_ELEMENTS = 4096
 # make_fx records ``torch.tensor(data)`` as a constant that one of these copies into
 # the graph: the mark of a tensor fn created from Python data, rather than one that
 # existed before fn ran (which make_fx reads directly).
-_FRESH_TENSOR_OPS = (
+FRESH_TENSOR_OPS = (
     torch.ops.aten.lift_fresh_copy.default,
     torch.ops.aten.lift_fresh.default,
 )
@@ -61,7 +61,7 @@ def lift_constants(
         if not isinstance(tensor, torch.Tensor):
             continue
         fresh = bool(node.users) and all(
-            user.target in _FRESH_TENSOR_OPS for user in node.users
+            user.target in FRESH_TENSOR_OPS for user in node.users
         )
         problem = _literal_problem(tensor) if fresh else None
         if fresh and id(tensor) not in origins and problem is None:

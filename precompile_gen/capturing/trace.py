@@ -47,6 +47,7 @@ from precompile_gen.capture_result import (
 )
 from precompile_gen.capturing import (
     aliasing,
+    branches,
     data_dependent,
     data_parallel,
     dtensors,
@@ -225,7 +226,79 @@ def _trace_graph(
     numbers: bool,
 ) -> TracedGraph:
     """make_fx's graph of fn and its calling convention; with ``numbers``, fn's
-    float arguments are graph inputs."""
+    float arguments are graph inputs. A branch on a tensor's value is traced both
+    ways and becomes a torch.cond (``branches``)."""
+    traced = functools.partial(
+        _trace_path,
+        fn,
+        example_inputs,
+        call,
+        modes,
+        python_values,
+        backend,
+        decompositions,
+        numbers,
+    )
+    found = branches.explore(traced)
+    path = cast(_PathState, found.paths[0].payload)
+    lifted, user, inputs, harvest = path.lifted, path.user, path.inputs, path.harvest
+    merged = branches.Merged(found.paths[0].gm, [])
+    if found.paths[0].reads:
+        _reject_branches_with(path, call.fn_name)
+        merged = branches.merge(found)
+    gm = merged.gm
+    mutated = sorted(
+        set().union(*(cast(_PathState, p.payload).mutated for p in found.paths))
+    )
+    value_sizes.reject_pinned_sizes(gm, call.fn_name)
+    dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
+    updates = _read_updates(gm, call, lifted, inputs, harvest, mutated)
+    constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
+    graph_checks.check_graph_ops(gm)
+    _hoist_updates(gm, lifted.state, inputs)
+    local = _local_graph(gm, path.on_shards, inputs, backend, decompositions)
+    return _record(
+        gm,
+        local,
+        call,
+        modes,
+        python_values,
+        lifted,
+        user,
+        inputs,
+        harvest,
+        updates,
+        constants,
+        merged.branches,
+    )
+
+
+@dataclass
+class _PathState:
+    """What one trace of fn traced on and learnt, besides its graph."""
+
+    lifted: _LiftedState
+    user: _UserLeaves
+    inputs: _GraphInputs
+    harvest: _Harvest
+    on_shards: dtensors.LocalTrace | None
+    # The positions of the graph inputs the trace updated in place.
+    mutated: list[int]
+
+
+def _trace_path(
+    fn: Callable[..., object],
+    example_inputs: tuple[object, ...],
+    call: _Arguments,
+    modes: _ModuleModes,
+    python_values: list[PythonValue],
+    backend: Backend,
+    decompositions: dict[Any, Callable[..., Any]] | None,
+    numbers: bool,
+    forced: tuple[bool, ...],
+) -> branches.PathTrace:
+    """One trace of fn, on fresh copies of the inputs, its first branches on tensor
+    values held to ``forced``."""
     lifted = _lift_state(call, example_inputs)
     user = _flatten_user_inputs(call, lifted.state, backend, numbers)
     inputs = _graph_inputs(lifted, user, backend)
@@ -240,7 +313,10 @@ def _trace_graph(
         if fully_sharded.holds_sharded(call.modules)
         else None
     )
-    with python_state.kept_as_found(example_inputs, python_values):
+    with (
+        python_state.kept_as_found(example_inputs, python_values),
+        branches.following(forced) as reads,
+    ):
         gm = _make_fx(
             fn,
             call.fn_name,
@@ -252,26 +328,62 @@ def _trace_graph(
             on_shards,
         )
     python_state.reject_torch_generators(gm, fn, generators)
-    value_sizes.reject_pinned_sizes(gm, call.fn_name)
-    dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
-    updates = _read_updates(gm, call, lifted, inputs, harvest)
-    constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
     graph_checks.check_graph_ops(gm)
-    _hoist_updates(gm, lifted.state, inputs)
-    local = _local_graph(gm, on_shards, inputs, backend, decompositions)
-    return _record(
-        gm,
-        local,
-        call,
-        modes,
-        python_values,
-        lifted,
-        user,
-        inputs,
-        harvest,
-        updates,
-        constants,
+    state = _PathState(
+        lifted, user, inputs, harvest, on_shards, _mutated_inputs(gm, inputs)
     )
+    return branches.PathTrace(gm, reads, _agreement(state), state)
+
+
+def _mutated_inputs(gm: torch.fx.GraphModule, inputs: _GraphInputs) -> list[int]:
+    """The module state and input leaves the trace updated in place."""
+    # The trace ran fn for real (or on fakes), so an in-place update of an input
+    # shows in its version counter. (An optimizer's state, after them, always is.)
+    # Some kernels write an argument without bumping it (native_batch_norm's running
+    # stats): the ops' schemas say which arguments they write.
+    written = update_order.written_inputs(gm)
+    return [
+        position
+        for position, (arg, before) in enumerate(
+            zip(inputs.flat_args, inputs.versions, strict=True)
+        )
+        if position < inputs.state_start
+        and (_version(arg) != before or position in written)
+    ]
+
+
+def _agreement(path: _PathState) -> dict[str, object]:
+    """What every path through fn's branches must share, by what a message calls
+    it: the driver handles each call alike."""
+    harvest, lifted = path.harvest, path.lifted
+    return {
+        "what fn returns": (
+            _dump_out_spec(harvest.out_spec),
+            harvest.pytree_types,
+            harvest.scalar_outputs,
+        ),
+        "the parameters that get gradients": (
+            harvest.grad_param_indices,
+            harvest.sparse_grads,
+        ),
+        "the .grad fields fn resets": sorted(harvest.resets.items()),
+        "the optimizers that step": [
+            id(entry.optimizer) in harvest.stepped for entry in lifted.optimizers
+        ],
+        "the sparse steps left to the driver": repr(lifted.deferrals.records()),
+        "the float arguments used as Python values": sorted(
+            harvest.float_arguments.specialized.items()
+        ),
+    }
+
+
+def _reject_branches_with(path: _PathState, fn_name: str) -> None:
+    if path.on_shards is not None or path.inputs.dtensor_layouts:
+        raise PrecompileError(
+            f"{fn_name!r} branches on a tensor's value, which cannot be captured "
+            "together with DTensors or fully_shard yet. Select with "
+            "torch.where(condition, a, b), or move the branch out of the function."
+        )
 
 
 def _local_graph(
@@ -824,22 +936,10 @@ def _read_updates(
     lifted: _LiftedState,
     inputs: _GraphInputs,
     harvest: _Harvest,
+    mutated_inputs: list[int],
 ) -> _Updates:
     """What fn updated: the inputs it wrote, the optimizer steps the graph takes and
     those left to the driver, and the sparse gradients split from the dense."""
-    # The trace ran fn for real (or on fakes), so an in-place update of an input
-    # shows in its version counter. (An optimizer's state, after them, always is.)
-    # Some kernels write an argument without bumping it (native_batch_norm's running
-    # stats): the ops' schemas say which arguments they write.
-    written = update_order.written_inputs(gm)
-    mutated_inputs = [
-        position
-        for position, (arg, before) in enumerate(
-            zip(inputs.flat_args, inputs.versions, strict=True)
-        )
-        if position < inputs.state_start
-        and (_version(arg) != before or position in written)
-    ]
     deferred_steps = lifted.deferrals.records()
     optimizer_arguments = _finish_optimizers(
         gm,
@@ -908,6 +1008,7 @@ def _record(
     harvest: _Harvest,
     updates: _Updates,
     constants: list[tuple[str, torch.Tensor]],
+    value_branches: list[str],
 ) -> TracedGraph:
     """The captured graph and its calling convention; with DTensors on the inductor
     backend, the graph traced again on the local shards (``local``)."""
@@ -951,6 +1052,7 @@ def _record(
         pytree_types=list(dict.fromkeys(user.input_types + harvest.pytree_types)),
         mutated_inputs=updates.mutated_inputs,
         index_checks=checks,
+        value_branches=value_branches,
     )
     return TracedGraph(gm, flat_args, constants, example_strides, convention)
 

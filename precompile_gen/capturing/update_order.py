@@ -15,8 +15,8 @@ wrote it (or a view of it) before it, and an op that reads a tensor still comes
 after the last op that wrote it. Ops whose effects lie outside their tensors
 (random draws, collectives, anything without an ATen schema) keep their place
 relative to every op before them. And no write moves before an op that may refuse
-its index (``index_checks.FALLIBLE``) for the first time: should that op raise, the
-graph has written none of its inputs yet.
+its index (``index_checks.FALLIBLE``) for the first time, nor before an assertion
+of the graph: should that op raise, the graph has written none of its inputs yet.
 """
 
 from __future__ import annotations
@@ -112,15 +112,21 @@ def hoist_updates(gm: torch.fx.GraphModule, updated: set[int]) -> None:
 
 def _fallible_ops(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     """The ops that may refuse an index no earlier op has checked against the same
-    range (a gather's backward scatters with the index its forward checked)."""
+    range (a gather's backward scatters with the index its forward checked), and
+    the graph's own assertions (a refused side of a branch, a range check)."""
     checked: set[tuple[object, ...]] = set()
     fallible: set[torch.fx.Node] = set()
     for node in nodes:
+        if node.target in _ASSERTIONS:
+            fallible.add(node)
         for index, low, high, allowed, _ in index_checks.index_uses(node):
             if (index, low, high, allowed) not in checked:
                 checked.add((index, low, high, allowed))
                 fallible.add(node)
     return fallible
+
+
+_ASSERTIONS = {torch.ops.aten._assert_async.msg, torch.ops.aten._assert_async.default}
 
 
 def _reorder(

@@ -493,16 +493,14 @@ def assert_refused(
     return message
 
 
-def branch_on_value(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def scaled_by_value(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = model(x)
-    if out.sum() > 0:
-        return out * 2
-    return out
+    return out * float(out.abs().max())
 
 
-def truth_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def repeated_by_value(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = model(x)
-    return out * float(bool((out > 0).all()))
+    return out.repeat(int(out.argmax()) + 1, 1)
 
 
 def values_as_list(model: nn.Module, x: torch.Tensor) -> list:
@@ -534,8 +532,8 @@ def formats_item(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("fn", "text", "what"),
     [
-        (branch_on_value, "if out.sum() > 0:", "Python value"),
-        (truth_of, "float(bool(", "Python value"),
+        (scaled_by_value, "float(out", "Python value"),
+        (repeated_by_value, "int(out", "Python value"),
         (values_as_list, ".tolist()", ".tolist()"),
         (computes_with_item, "return round(total * 2, 3)", ".item()"),
         (counts_with_item, "return model(x) * (positive + 1)", ".item()"),
@@ -717,14 +715,14 @@ def gated(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return SignGate.apply(model(x))
 
 
-def test_a_value_read_in_user_code_an_op_calls_back_names_the_users_line() -> None:
-    # Function.apply runs the user's forward: the read is the user's branch.
-    assert_refused(
-        gated,
-        make_regressor(0),
-        randn(6, 4, seed=1),
-        match=[line_of(SignGate.forward, "if x.sum() > 0:"), "Python value"],
-    )
+def test_a_branch_in_user_code_an_op_calls_back_is_traced_both_ways() -> None:
+    # Function.apply runs the user's forward: the branch is the user's, and the
+    # artifact holds both of its sides (test_value_branches.py has the rest).
+    model = make_regressor(0)
+    run = artifact(gated, model, randn(6, 4, seed=1), backend="eager")
+    for scale in (1.0, -1.0, 100.0, -100.0):
+        x = randn(6, 4, seed=2) * scale
+        assert torch.equal(run(model, x), gated(model, x))
 
 
 def test_values_independent_of_the_inputs_are_read() -> None:

@@ -17,7 +17,7 @@ from typing import cast
 import numpy as np
 import pytest
 import torch
-from helpers.source_lines import line_of
+from helpers.source_lines import portable_line_of
 from helpers.state_snapshot import assert_call_rejected
 from torch import nn
 from torch.nn import functional as F
@@ -218,7 +218,7 @@ def test_a_float_compared_is_built_in_and_held_to_its_line() -> None:
     message = str(info.value)
     assert "argument 2 (`temperature`) is 2.0" in message
     assert "its traced value 0.5 as a Python value at" in message
-    assert line_of(sharpened, "if temperature < 1.0") in message
+    assert portable_line_of(sharpened, "if temperature < 1.0") in message
     assert "Pass 0.5" in message
 
 
@@ -249,6 +249,6 @@ def test_a_float_a_torch_function_takes_is_built_in(
         run(model, x, other)
     assert f"is {other}" in str(info.value)
     if fn is dropped:
-        assert line_of(dropped, "F.dropout") in str(info.value)
+        assert portable_line_of(dropped, "F.dropout") in str(info.value)
     else:
         assert why in str(info.value)
