@@ -10,6 +10,9 @@ With a CUDA device, on CUDA tensors, each compared with eager:
 - a training step whose activation-checkpointed half holds a dropout, whose
   backward's recompute must draw the forward's mask, three seeded steps;
 - a batch dim marked with ``mark_unbacked``, called at other batch sizes;
+- a float argument (a temperature) at three values;
+- a training step that branches on its batch's values between two losses, each
+  side with the backward and the AdamW step, called on both sides;
 - (CUDA only) inference under ``torch.cuda.stream`` of a side stream, and a 0-dim
   CPU tensor beside CUDA tensors;
 - a fresh process loading the training step's pair with an empty
@@ -22,7 +25,7 @@ With a CUDA device, on CUDA tensors, each compared with eager:
   against ``torch.compile`` of the same step: median step time and
   ``torch.cuda.max_memory_allocated`` over one step.
 
-Without one, the first line says so, and the five cases run on CPU tensors with
+Without one, the first line says so, and the seven cases run on CPU tensors with
 Inductor's Triton kernels executed by Triton's interpreter
 (``precompile_gen.testing.triton_interpreter``), in a child process that has
 ``TRITON_INTERPRET=1`` set before torch is imported. No line it prints then is a
@@ -204,6 +207,44 @@ def check_float_argument(device: str, width: int) -> str:
     return f"temperatures {temperatures}: outputs match eager"
 
 
+def robust_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad()
+    out = model(x)
+    if y.abs().max() > 1:  # noqa: SIM108 (a branch on the call's values: a torch.cond)
+        loss = F.smooth_l1_loss(out, y)
+    else:
+        loss = F.mse_loss(out, y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def check_value_branch(device: str, width: int) -> str:
+    """Both sides of a branch on a tensor's value, each with the backward and the
+    AdamW step inside: Inductor's wrapper reads the predicate and runs the side's
+    kernels."""
+
+    def arguments() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(width, device)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    x, y = _randn(16, width, device=device), _randn(16, width, device=device, seed=2)
+    forward = _compiled(robust_step, *arguments(), x, y * 0.1)
+    compiled, reference = arguments(), arguments()
+    spreads = (0.1, 3.0, 0.1, 3.0)
+    for spread in spreads:
+        torch.testing.assert_close(
+            forward(*compiled, x, y * spread), robust_step(*reference, x, y * spread)
+        )
+    for got, want in zip(
+        compiled[0].parameters(), reference[0].parameters(), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+    return f"sides taken {spreads}: losses and parameters match eager"
+
+
 CASES: dict[str, Callable[[str, int], str]] = {
     "MLP, LayerNorm + GELU, inference": check_inference,
     "training step, AdamW inside": check_training,
@@ -211,6 +252,7 @@ CASES: dict[str, Callable[[str, int], str]] = {
     "checkpointed dropout, AdamW inside": check_checkpointed_dropout,
     "mark_unbacked batch dim": check_unbacked_batch,
     "a float argument at three values": check_float_argument,
+    "a branch on a value, both sides": check_value_branch,
 }
 
 
