@@ -3,7 +3,7 @@
 make_fx records tensor operations, not Python values: a value read from a tensor while
 tracing (``bool(t)``, ``.item()``, ``.tolist()``) is the example's, and whatever fn
 computes from it would be built into the graph for every call; so would a Python
-number passed in. Four common reads are captured as eager runs them, and float
+number passed in. The common reads are captured as eager runs them, and float
 arguments are numbers of the graph; every other read is refused, naming the line in
 fn's code.
 
@@ -11,10 +11,11 @@ fn's code.
   arithmetic is the graph's, and returned from fn, the graph returns its tensor and
   the driver calls ``.item()`` on it (``SCALAR_OUTPUTS``). Any other use of an
   argument's specialises the graph on its value (``FloatArguments``); of an
-  ``.item()``'s, it is refused.
+  ``.item()``'s, a comparison is a branch (``branches``) and the rest is refused.
 - A ``bool(t)`` inside ``torch.distributions`` is argument validation (``if not
   valid.all(): raise ValueError``): the trace takes the example's branch and the graph
   asserts, at every call, that the call's value is the example's.
+- Any other ``bool(t)`` is a branch, traced both ways (``branches``).
 - ``F.one_hot(t, num_classes)`` checks that each value lies in ``[0, num_classes)``:
   it is traced as the same encoding computed by comparison, and the graph asserts
   that range at every call, where eager raises (``_checked_one_hot``).
@@ -254,7 +255,8 @@ class GraphNumber:
     number) needs its value. Computed from float arguments alone, it has the
     example's: the use specialises the graph on those arguments, as make_fx would,
     and the driver holds each call to their values. Computed from ``.item()``, no
-    call could be checked against the example's number, and the use is refused."""
+    call could be checked against the example's number: a comparison or its truth
+    value is a branch on its tensor (``branches``), and any other use is refused."""
 
     __slots__ = ("arguments", "fn_name", "sources", "tensor", "where")
 
@@ -303,6 +305,28 @@ class GraphNumber:
             return self.tensor.item()
 
 
+def _branch_on(number: GraphNumber, name: str, args: tuple[object, ...]) -> bool | None:
+    """A comparison or truth value of a number computed from ``.item()``, as a branch
+    on its tensor's value (``branches``): in float64 for floats, as Python compares
+    them. None where the other operand is no number, or no path is followed."""
+    others = []
+    for other in args:
+        if isinstance(other, GraphNumber):
+            other = (
+                other._number() if other.tensor.is_floating_point() else other.tensor
+            )
+        elif type(other) not in (int, float, bool):
+            return None
+        others.append(other)
+    value = number._number() if number.tensor.is_floating_point() else number.tensor
+    predicate = value if name == "bool" else getattr(operator, name)(value, *others)
+    return branches.read(cast(torch.Tensor, predicate), user_line(3, portable=True))
+
+
+# The uses of a number from .item() that read its truth: each is a branch.
+_BRANCHING = frozenset({"bool", "eq", "ne", "lt", "le", "gt", "ge"})
+
+
 def example_values(tree: object, why: str) -> object:
     """``tree`` with each ``GraphNumber`` in it replaced by the example's value."""
     return pytree.tree_map_only(GraphNumber, lambda n: n.example(why), tree)
@@ -310,6 +334,10 @@ def example_values(tree: object, why: str) -> object:
 
 def _python_use(name: str) -> Callable[..., object]:
     def use(self: GraphNumber, *args: object) -> object:
+        if name in _BRANCHING and self.where is not None:
+            outcome = _branch_on(self, name, args)
+            if outcome is not None:
+                return outcome
         value = self.example()
         method = getattr(value, f"__{name}__", None)
         if method is None:

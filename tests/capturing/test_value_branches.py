@@ -215,6 +215,39 @@ def test_a_training_step_branches_between_losses(backend: str) -> None:
         )
 
 
+def make_sgd_linear(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = make_linear(seed)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def normalised_when_large(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    if loss.item() > 1.0:  # a Python float compared: a branch on the loss's value
+        loss = loss / loss.detach()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_item_compared_is_a_branch(backend: str) -> None:
+    x, y = randn(5, 4, seed=1), randn(5, 3, seed=2)
+    run = capture(
+        normalised_when_large, *make_sgd_linear(0), x, y * 0.1, backend=backend
+    )
+    got, want = make_sgd_linear(0), make_sgd_linear(0)
+    for call, spread in enumerate([10.0, 0.1, 10.0, 0.1]):
+        x, y = randn(5, 4, seed=70 + call), randn(5, 3, seed=80 + call) * spread
+        assert_close(run(*got, x, y), normalised_when_large(*want, x, y), backend)
+        assert_same_state(got[0], want[0], backend)
+
+
 # --- Library modules that branch on buffer values ------------------------------------
 
 
