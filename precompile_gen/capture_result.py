@@ -65,6 +65,8 @@ METADATA_NAMES: tuple[str, ...] = (
     "BUFFER_REQUIRES_GRAD",
     "GRAD_PARAM_INDICES",
     "GRAD_RESETS",
+    "STEP_RESETS",
+    "SKIPPABLE_STEP",
     "IN_SPEC",
     "OUT_SPEC",
     "PYTREE_TYPES",
@@ -96,6 +98,8 @@ OPTIONAL_METADATA: dict[str, object] = {
     "PYTHON_VALUES": [],
     "PYTREE_TYPES": [],
     "NUMBER_INPUTS": {},
+    "STEP_RESETS": [],
+    "SKIPPABLE_STEP": False,
     "MUTATED_INPUTS": [],
     "INDEX_CHECKS": [],
     "OPTIMIZERS": [],
@@ -440,6 +444,14 @@ class CallConvention:
     # holds it to: the driver checks them first, so that a bad index raises before
     # any op runs (a compiled kernel's own check may abort the process instead).
     index_checks: list[IndexCheck] = field(default_factory=list)
+    # Whether a path through the branches on tensor values skips the step (an early
+    # return before backward() on a bad batch): it computes no gradients and steps
+    # no optimizer. The graph's last output then says whether the call's path took
+    # the step, and the driver adds gradients and finishes optimizer steps only
+    # where it did. ``step_resets``: the .grad resets of the step's path that the
+    # skipping path does not make (those after the branch), applied only then.
+    skippable_step: bool = False
+    step_resets: list[tuple[int, bool]] = field(default_factory=list)
     # The branches on tensor values the graph holds (``capturing.branches``), each
     # as its user's line (file:line and code) and what the graph does there: a
     # torch.cond of both sides, or one side and an assertion that refuses a call
@@ -533,6 +545,8 @@ def metadata_constants(cap: CaptureResult) -> dict[str, object]:
         **_state_constants(convention.params, convention.buffers, strides),
         "GRAD_PARAM_INDICES": convention.grad_param_indices,
         "GRAD_RESETS": convention.grad_resets,
+        "STEP_RESETS": convention.step_resets,
+        "SKIPPABLE_STEP": convention.skippable_step,
         "IN_SPEC": convention.in_spec,
         "OUT_SPEC": convention.out_spec,
         "PYTREE_TYPES": convention.pytree_types,

@@ -33,6 +33,7 @@ import torch
 from torch.func import functionalize
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
 
 from precompile_gen.capturing import graph_names, tensor_literals
 from precompile_gen.runtime.errors import PrecompileError
@@ -110,15 +111,29 @@ def read(tensor: torch.Tensor, where: str) -> bool | None:
     return outcome
 
 
+class Step(NamedTuple):
+    """What a path's step does that the driver finishes: the parameters that get
+    gradients (and which of them are sparse), the ``.grad`` resets, and whether each
+    optimizer steps."""
+
+    grads: list[int]
+    sparse: list[int]
+    resets: list[tuple[int, bool]]
+    steps: list[bool]
+
+
 @dataclass
 class PathTrace:
-    """One trace of fn: its graph, the branches it read, and what it returned of the
-    driver's convention (``agreement``), which every path must share."""
+    """One trace of fn: its graph, the branches it read, what it returned of the
+    driver's convention (``agreement``), which every path must share, and its step,
+    which a path may skip (``skips_step``: it returns before it)."""
 
     gm: torch.fx.GraphModule
     reads: list[BranchRead]
     agreement: dict[str, object]
+    step: Step
     payload: object
+    skips_step: bool = False
 
 
 @dataclass
@@ -188,7 +203,45 @@ def _side(
                 key,
             )
             return f"its sides differ in {key}"
+    if path.step != first.step:
+        if not _skips(path.step, first.step):
+            log.warning(
+                "%s computes gradients, resets .grad fields or steps optimizers "
+                "other than the example's path does, and skips no step: a call "
+                "that takes it will be refused.",
+                side,
+            )
+            return "its sides differ in their gradients, resets or optimizer steps"
+        path.skips_step = True
     return path
+
+
+def _skips(step: Step, taken: Step) -> bool:
+    """Whether ``step`` is ``taken`` skipped: no gradients, no optimizer steps, and
+    either the same ``.grad`` resets (made before the branch) or none."""
+    return (
+        not step.grads
+        and not any(step.steps)
+        and step.resets in ([], taken.resets)
+        and not taken.sparse
+        and bool(taken.grads or any(taken.steps) or taken.resets)
+    )
+
+
+def step_resets(found: Exploration) -> list[tuple[int, bool]] | None:
+    """None where no path skips the step; else the resets of the step's path that a
+    skipping path does not make (none where it makes them all). A capture whose
+    skipping paths reset differently is refused."""
+    skipping = {tuple(p.step.resets) for p in found.paths if p.skips_step}
+    if not skipping:
+        return None
+    if len(skipping) > 1:
+        raise PrecompileError(
+            "fn has paths through its branches on tensor values that skip its step "
+            "and reset other .grad fields. Reset them (zero_grad()) before the "
+            "branch, or move the branch out of the function."
+        )
+    return [] if skipping.pop() else found.paths[0].step.resets
 
 
 def _check_held(path: PathTrace, expected: list[BranchRead]) -> None:
@@ -214,11 +267,13 @@ def _lines(reads: list[BranchRead]) -> str:
 
 @dataclass
 class Merged:
-    """The graph serving every path, and each branch it holds as the artifact's
-    header describes it, in the order the merge met them."""
+    """The graph serving every path, each branch it holds as the artifact's header
+    describes it (in the order the merge met them), and, where a path skips the
+    step, the step's resets that it does not make (``step_resets``)."""
 
     gm: torch.fx.GraphModule
     branches: list[str]
+    step_resets: list[tuple[int, bool]] | None
 
 
 def merge(found: Exploration) -> Merged:
@@ -226,11 +281,49 @@ def merge(found: Exploration) -> Merged:
     over the rest of its sides' traces, or an assertion where one side is
     refused."""
     notes: list[str] = []
+    if any(path.skips_step for path in found.paths):
+        _mark_steps(found.paths)
     gm = _merged([(p.gm, p.reads) for p in found.paths], found.refused, (), notes)
-    return Merged(gm, list(dict.fromkeys(notes)))
+    return Merged(gm, list(dict.fromkeys(notes)), step_resets(found))
 
 
 _Side = tuple[torch.fx.GraphModule, list[BranchRead]]
+
+
+def _mark_steps(paths: list[PathTrace]) -> None:
+    """Give each path's graph a last output that says whether it took the step; a
+    path that skips it returns blanks where the step's gradients are."""
+    first = paths[0]
+    num_grads = len(first.step.grads)
+    grad_vals = _output_vals(first.gm)[len(_output_vals(first.gm)) - num_grads :]
+    for path in paths:
+        graph = path.gm.graph
+        output = graph.output_node()
+        outputs = _output_nodes(output)
+        with graph.inserting_before(output):
+            if path.skips_step:
+                outputs += [_blank_node(graph, value) for value in grad_vals]
+            taken = graph.call_function(
+                torch.ops.aten.scalar_tensor.default,
+                (float(not path.skips_step),),
+                {"dtype": torch.bool},
+            )
+        taken.meta["val"] = torch.empty((), dtype=torch.bool)
+        output.args = ([*outputs, taken],)
+        path.gm.recompile()
+
+
+def _blank_node(graph: torch.fx.Graph, value: object) -> torch.fx.Node:
+    """An op of ``graph`` that gives a tensor shaped like ``value``, its values
+    unset."""
+    assert isinstance(value, torch.Tensor)
+    node = graph.call_function(
+        torch.ops.aten.empty_strided.default,
+        (list(value.shape), list(value.stride())),
+        {"dtype": value.dtype, "device": value.device},
+    )
+    node.meta["val"] = value
+    return node
 
 
 def _merged(
@@ -368,15 +461,7 @@ def _refusing(
         torch.ops.aten._assert_async.msg, (held, assertion_message(message))
     )
     values = _output_vals(served.gm)[: served.num_outputs]
-    outputs = [
-        graph.call_function(
-            torch.ops.aten.empty_strided.default,
-            (list(v.shape), list(v.stride())),
-            {"dtype": v.dtype, "device": v.device},
-        )
-        for v in values
-        if isinstance(v, torch.Tensor)
-    ]
+    outputs = [_blank_node(graph, value) for value in values]
     outputs += _unaliased(graph, [inputs[index] for index in served.written])
     graph.output(tuple(outputs))
     gm = torch.fx.GraphModule({}, graph)
@@ -640,4 +725,9 @@ def _with_cond(
     for index, value in zip(written, items[len(outputs) :], strict=True):
         graph.call_function(torch.ops.aten.copy_.default, (env[operands[index]], value))
     graph.output(outputs)
+    codegen = graph._codegen
+    if isinstance(codegen, torch.fx.graph._PyTreeCodeGen):
+        # The outputs may be more than the trace's: a path's step taken or not.
+        spec = pytree.tree_structure(list(outputs))
+        codegen.pytree_info = codegen.pytree_info._replace(out_spec=spec)
     return torch.fx.GraphModule(attributes, graph)

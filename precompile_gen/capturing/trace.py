@@ -242,7 +242,7 @@ def _trace_graph(
     found = branches.explore(traced)
     path = cast(_PathState, found.paths[0].payload)
     lifted, user, inputs, harvest = path.lifted, path.user, path.inputs, path.harvest
-    merged = branches.Merged(found.paths[0].gm, [])
+    merged = branches.Merged(found.paths[0].gm, [], None)
     if found.paths[0].reads:
         _reject_branches_with(path, call.fn_name)
         merged = branches.merge(found)
@@ -269,7 +269,7 @@ def _trace_graph(
         harvest,
         updates,
         constants,
-        merged.branches,
+        merged,
     )
 
 
@@ -332,7 +332,7 @@ def _trace_path(
     state = _PathState(
         lifted, user, inputs, harvest, on_shards, _mutated_inputs(gm, inputs)
     )
-    return branches.PathTrace(gm, reads, _agreement(state), state)
+    return branches.PathTrace(gm, reads, _agreement(state), _step(state), state)
 
 
 def _mutated_inputs(gm: torch.fx.GraphModule, inputs: _GraphInputs) -> list[int]:
@@ -362,19 +362,25 @@ def _agreement(path: _PathState) -> dict[str, object]:
             harvest.pytree_types,
             harvest.scalar_outputs,
         ),
-        "the parameters that get gradients": (
-            harvest.grad_param_indices,
-            harvest.sparse_grads,
-        ),
-        "the .grad fields fn resets": sorted(harvest.resets.items()),
-        "the optimizers that step": [
-            id(entry.optimizer) in harvest.stepped for entry in lifted.optimizers
-        ],
         "the sparse steps left to the driver": repr(lifted.deferrals.records()),
         "the float arguments used as Python values": sorted(
             harvest.float_arguments.specialized.items()
         ),
     }
+
+
+def _step(path: _PathState) -> branches.Step:
+    """What the path's step does that the driver finishes, which a path through
+    fn's branches may skip."""
+    harvest = path.harvest
+    return branches.Step(
+        grads=harvest.grad_param_indices,
+        sparse=harvest.sparse_grads,
+        resets=sorted(harvest.resets.items()),
+        steps=[
+            id(entry.optimizer) in harvest.stepped for entry in path.lifted.optimizers
+        ],
+    )
 
 
 def _reject_branches_with(path: _PathState, fn_name: str) -> None:
@@ -1008,7 +1014,7 @@ def _record(
     harvest: _Harvest,
     updates: _Updates,
     constants: list[tuple[str, torch.Tensor]],
-    value_branches: list[str],
+    merged: branches.Merged,
 ) -> TracedGraph:
     """The captured graph and its calling convention; with DTensors on the inductor
     backend, the graph traced again on the local shards (``local``)."""
@@ -1041,7 +1047,6 @@ def _record(
         scalar_outputs=harvest.scalar_outputs,
         python_values=python_values,
         optimizers=updates.optimizers,
-        grad_resets=sorted(harvest.resets.items()),
         process_groups=data_parallel.process_groups(gm, call.modules),
         data_parallel=_data_parallel_records(call),
         dtensors=inputs.dtensor_layouts,
@@ -1052,9 +1057,25 @@ def _record(
         pytree_types=list(dict.fromkeys(user.input_types + harvest.pytree_types)),
         mutated_inputs=updates.mutated_inputs,
         index_checks=checks,
-        value_branches=value_branches,
+        **_branch_records(harvest, merged),
     )
     return TracedGraph(gm, flat_args, constants, example_strides, convention)
+
+
+def _branch_records(harvest: _Harvest, merged: branches.Merged) -> dict[str, Any]:
+    """The convention's ``.grad`` resets, and what fn's branches on tensor values
+    add to it: the branches, and a step a path skips with the resets of its own."""
+    step_resets = merged.step_resets or []
+    return {
+        "grad_resets": [
+            reset
+            for reset in sorted(harvest.resets.items())
+            if reset not in step_resets
+        ],
+        "skippable_step": merged.step_resets is not None,
+        "step_resets": step_resets,
+        "value_branches": merged.branches,
+    }
 
 
 def _input_names(

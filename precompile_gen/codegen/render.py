@@ -75,6 +75,7 @@ RUNTIME_PARTS: dict[str, str] = {
     "layouts": "runtime/layouts.py",
     "index_checks": "runtime/index_checks.py",
     "deferred_steps": "runtime/deferred_steps.py",
+    "skipped_steps": "runtime/skipped_steps.py",
     "optimizers": "runtime/optimizers.py",
     "process_groups": "runtime/process_groups.py",
     "captured_graph": "runtime/captured_graph.py",
@@ -90,13 +91,16 @@ def runtime_parts(features: DriverFeatures) -> tuple[str, ...]:
     wanted = {
         "support": True,
         "pytree_types": features.pytree_types,
-        "gradients": features.gradients or features.grad_resets,
+        "gradients": features.gradients
+        or features.grad_resets
+        or features.skippable_step,
         "dict_inputs": features.dict_inputs,
         "calls": True,
         "dtensors": features.dtensors,
         "layouts": features.layouts,
         "index_checks": features.index_checks,
         "deferred_steps": features.deferred_steps,
+        "skipped_steps": features.skippable_step,
         "optimizers": features.optimizers,
         "process_groups": features.process_groups or features.data_parallel,
         "captured_graph": not features.compiled,
@@ -201,6 +205,12 @@ class DriverFeatures:
     index_checks: bool = False
     # Float leaves the graph takes as 0-dim float64 tensors (NUMBER_INPUTS).
     number_inputs: bool = False
+    # Branches on tensor values in the graph: it may refuse a call's side, so the
+    # .grad resets wait for it. A path through them that skips the step
+    # (SKIPPABLE_STEP), and resets of the step's own (STEP_RESETS).
+    value_branches: bool = False
+    skippable_step: bool = False
+    step_resets: bool = False
 
     @property
     def layouts(self) -> bool:
@@ -238,6 +248,9 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         deferred_steps=bool(conv.deferred_steps),
         index_checks=bool(conv.index_checks),
         number_inputs=any(leaf.number for leaf in leaves),
+        value_branches=bool(conv.value_branches),
+        skippable_step=conv.skippable_step,
+        step_resets=bool(conv.step_resets),
     )
 
 

@@ -270,6 +270,10 @@ def all_features_capture(backend: Backend) -> CaptureResult:
                 "loss classes",
             )
         ],
+        # A branch on a value whose other side returns before the step.
+        value_branches=["step.py:9 (if not torch.isfinite(loss):): both sides"],
+        skippable_step=True,
+        step_resets=[(0, True)],
     )
     return _distributed(capture)
 

@@ -30,6 +30,8 @@ PARAM_REQUIRES_GRAD: list[bool]
 BUFFER_REQUIRES_GRAD: list[bool]
 GRAD_PARAM_INDICES: list[int]
 GRAD_RESETS: list[tuple[int, bool]]
+STEP_RESETS: list[tuple[int, bool]]
+SKIPPABLE_STEP: bool
 IN_SPEC: str | None
 OUT_SPEC: str
 PYTREE_TYPES: list[str]

@@ -311,7 +311,7 @@ def test_fake_quantize_is_refused_for_its_number_of_paths() -> None:
     snapshot.assert_unchanged()
 
 
-# --- Refusals ------------------------------------------------------------------------
+# --- A step skipped on a bad batch ---------------------------------------------------
 
 
 def make_adamw_linear(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -330,7 +330,58 @@ def skipping_step(
         return loss.detach()
     loss.backward()
     optimizer.step()
+    optimizer.zero_grad()  # after the step: the skipping path resets nothing
+    return loss.detach()
+
+
+def skipping_step_reset_first(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    optimizer.zero_grad()  # before the branch: both paths reset
+    loss = F.mse_loss(model(x), y)
+    if not torch.isfinite(loss):
+        return loss.detach()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fn", [skipping_step, skipping_step_reset_first])
+def test_a_step_skipped_on_a_bad_batch_leaves_the_model_as_eager_does(
+    fn: Callable[..., torch.Tensor], backend: str
+) -> None:
+    x, y = randn(5, 4, seed=1), randn(5, 3, seed=2)
+    run = capture(fn, *make_adamw_linear(0), x, y, backend=backend)
+    assert "SKIPPABLE_STEP: bool = True" in run.code
+    got, want = make_adamw_linear(0), make_adamw_linear(0)
+    # The first call skips: no gradients, no optimizer state, as eager leaves them.
+    for call, scale in enumerate([float("inf"), 1.0, float("nan"), 1.0, 1.0]):
+        x, y = randn(5, 4, seed=90 + call) * scale, randn(5, 3, seed=95 + call)
+        torch.testing.assert_close(run(*got, x, y), fn(*want, x, y), equal_nan=True)
+        assert_same_state(got[0], want[0], backend)
+        assert len(got[1].state) == len(want[1].state)
+        assert_close(got[1].state_dict(), want[1].state_dict(), backend)
+
+
+# --- Refusals ------------------------------------------------------------------------
+
+
+def diverging_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
     optimizer.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    if torch.isfinite(loss):
+        optimizer.step()
+    # The gradients stay on .grad where the step did not run: not a skipped step.
     return loss.detach()
 
 
@@ -376,7 +427,7 @@ def checked(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("fn", "text", "why"),
     [
-        (skipping_step, "if not torch.isfinite(loss):", "its sides differ in"),
+        (diverging_step, "if torch.isfinite(loss):", "its sides differ in"),
         (first_rows, "if out.sum() > 0:", "other shapes or dtypes"),
         (checked, "if not (out.abs() < 1e3).all():", "ValueError when traced"),
     ],
@@ -386,7 +437,7 @@ def test_a_side_one_graph_cannot_serve_is_refused_at_the_call_that_takes_it(
 ) -> None:
     def arguments(model: nn.Module, optimizer: object, scale: float) -> tuple:
         x = randn(5, 4, seed=1) * scale
-        if fn is skipping_step:
+        if fn is diverging_step:
             return (model, optimizer, x, randn(5, 3, seed=2))
         return (model, x)
 
@@ -406,7 +457,7 @@ def test_a_side_one_graph_cannot_serve_is_refused_at_the_call_that_takes_it(
     assert_same_state(model, eager_model, backend)
     # The other side: a clear error, and the model and optimizer as they were.
     calls: dict[Callable[..., object], float] = {
-        skipping_step: float("inf"),
+        diverging_step: float("inf"),
         first_rows: -sign,
         checked: 1e4,
     }

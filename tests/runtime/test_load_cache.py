@@ -206,6 +206,9 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         # Emitted only by a capture with float arguments it computes with; its
         # absence reads as none.
         "NUMBER_INPUTS": {},
+        # Emitted only by a capture with a path that skips its step.
+        "STEP_RESETS": [],
+        "SKIPPABLE_STEP": False,
         # Emitted only by a capture that indexes with its inputs; its absence reads
         # as none.
         "INDEX_CHECKS": [],
@@ -262,6 +265,8 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "BUFFER_REQUIRES_GRAD",
         "GRAD_PARAM_INDICES",
         "GRAD_RESETS",
+        "STEP_RESETS",
+        "SKIPPABLE_STEP",
         "IN_SPEC",
         "OUT_SPEC",
         "PYTREE_TYPES",
