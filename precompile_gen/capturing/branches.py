@@ -16,7 +16,9 @@ becomes a ``torch.cond`` inside its side's subgraph. Each call then takes the si
 its values decide, both compiled as a user's own ``torch.cond`` is, and the driver's
 checks, gradients and optimizer state stay those of one graph: the sides must agree
 on them (what fn returns, which parameters get gradients, which optimizers step),
-and a branch whose sides differ there is refused at capture, naming it.
+but for a side that skips the step (an early return on a bad batch), which the
+graph's last output tells the driver of. A side one graph cannot serve is a
+subgraph that refuses the call that takes it, naming the branch.
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ class Exploration:
 def explore(trace: Callable[[tuple[bool, ...]], PathTrace]) -> Exploration:
     """Every path through fn's branches: ``trace(forced)`` traces fn with its first
     branches held to ``forced``. A side whose trace fails, or that returns or updates
-    other things than the example's path, is refused at the call that takes it."""
+    other things than the example's path (but for skipping its step), is refused at
+    the call that takes it."""
     found = Exploration([trace(())], {})
     pending = [(found.paths[0], 0)]
     while pending:
@@ -278,8 +281,7 @@ class Merged:
 
 def merge(found: Exploration) -> Merged:
     """One graph serving every path: the example's, with each branch a torch.cond
-    over the rest of its sides' traces, or an assertion where one side is
-    refused."""
+    over the rest of its sides' traces (a refusing subgraph for a side refused)."""
     notes: list[str] = []
     if any(path.skips_step for path in found.paths):
         _mark_steps(found.paths)

@@ -312,15 +312,19 @@ def _branch_on(number: GraphNumber, name: str, args: tuple[object, ...]) -> bool
     others = []
     for other in args:
         if isinstance(other, GraphNumber):
-            other = (
-                other._number() if other.tensor.is_floating_point() else other.tensor
-            )
+            other = _compared(other)
         elif type(other) not in (int, float, bool):
             return None
         others.append(other)
-    value = number._number() if number.tensor.is_floating_point() else number.tensor
+    value = _compared(number)
     predicate = value if name == "bool" else getattr(operator, name)(value, *others)
-    return branches.read(cast(torch.Tensor, predicate), user_line(3, portable=True))
+    return branches.read(predicate, user_line(3, portable=True))
+
+
+def _compared(number: GraphNumber) -> torch.Tensor:
+    # A float's as float64, as Python compares it; an int's as it is.
+    value = number._number()
+    return number.tensor if value is None else value
 
 
 # The uses of a number from .item() that read its truth: each is a branch.

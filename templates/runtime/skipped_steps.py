@@ -16,8 +16,6 @@ from templates.runtime.support import _CheckedState
 # output says whether the call's path took the step.
 from typing import Any
 
-import torch
-
 _SKIPPED_SCALAR_OUTPUTS: list[int] = globals().get("SCALAR_OUTPUTS", [])
 
 
@@ -25,7 +23,7 @@ def _step_taken(flat_outputs: list[Any]) -> tuple[list[Any], bool]:
     """The graph's outputs without its last, and whether that says the call's path
     took the step."""
     *outputs, taken = flat_outputs
-    return outputs, bool(torch.as_tensor(taken))
+    return outputs, bool(taken)
 
 
 def _without_step(flat_outputs: list[Any]) -> list[Any]:

@@ -306,6 +306,7 @@ def test_fake_quantize_is_refused_for_its_number_of_paths() -> None:
         f"more than {pg_branches.MAX_PATHS} paths",
         "torch/ao/quantization/",
         portable_line_of(quantized_step, "loss = model(x)"),
+        "torch.where",
     ):
         assert expected in message, f"{expected!r} not in the message: {message}"
     snapshot.assert_unchanged()
@@ -407,6 +408,54 @@ def test_a_loop_on_a_value_is_refused_at_capture() -> None:
     ):
         assert expected in message, f"{expected!r} not in the message: {message}"
     snapshot.assert_unchanged()
+
+
+def returns_a_number(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    out = model(x)
+    if out.sum() > 0:
+        return out, 1
+    return out * 2, 1
+
+
+def skips_two_ways(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    if loss > 100:
+        return loss.detach()
+    if loss > 50:  # skips too, but resets what the first skip leaves
+        optimizer.zero_grad()
+        return loss.detach()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize(
+    ("fn", "problem", "fix"),
+    [
+        (returns_a_number, "returns a Python value (1) after a branch", "tensors"),
+        (skips_two_ways, "skip its step and reset other .grad fields", "before the"),
+    ],
+)
+def test_paths_one_driver_cannot_follow_are_refused_at_capture(
+    fn: Callable[..., object], problem: str, fix: str
+) -> None:
+    model, optimizer = make_adamw_linear(0)
+    x = randn(5, 4, seed=1)
+    args = (model, x) if fn is returns_a_number else (model, optimizer, x, x[:, :3])
+    snapshot = StateSnapshot(*args)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(fn, *args, backend="eager")
+    message = str(caught.value)
+    for expected in (problem, fix):
+        assert expected in message, f"{expected!r} not in the message: {message}"
+    snapshot.assert_unchanged()
+    assert not optimizer.state
 
 
 def first_rows(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
