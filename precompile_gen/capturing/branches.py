@@ -38,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from precompile_gen.capturing import graph_names, tensor_literals
+from precompile_gen.codegen import convention
 from precompile_gen.runtime.errors import PrecompileError
 
 log = logging.getLogger(__name__)
@@ -453,12 +454,7 @@ def _refusing(
         if branch.outcome
         else graph.call_function(torch.ops.aten.logical_not.default, (predicate,))
     )
-    message = (
-        f"precompile_gen: this call takes the side of the branch at {branch.where} "
-        f"where it is {not branch.outcome}, which capture could not serve "
-        f"({reason}). Run this call eagerly, or make that side return and update "
-        "what the other does, and capture again."
-    )
+    message = convention.refused_side_message(branch.where, not branch.outcome, reason)
     graph.call_function(
         torch.ops.aten._assert_async.msg, (held, assertion_message(message))
     )

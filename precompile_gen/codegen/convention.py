@@ -80,6 +80,13 @@ def reset_grad(param: torch.Tensor, set_to_none: bool) -> None:
     _driver_code()["reset_grad"](param, set_to_none)
 
 
+def refused_side_message(where: str, side: bool, reason: str) -> str:
+    """The message a graph's assertion gives where a call takes a side of the branch
+    at ``where`` (its predicate ``side``) that capture refused for ``reason``; the
+    driver raises it as a PrecompileError."""
+    return _driver_code()["refused_side_message"](where, side, reason)
+
+
 def import_pytree_type(path: str) -> Any:
     """The class at ``path`` ("module:qualname"), importing its module."""
     return _driver_code()["import_pytree_type"](path)

@@ -2,7 +2,7 @@
 # artifact, from its first "# ---" heading on.
 # The lines above that heading are not carried: they import what the base part
 # defines, so that ruff and pyrefly check this part as a module of its own.
-from templates.runtime.support import _forget_checks
+from templates.runtime.support import _forget_checks, _raise_refused_side
 
 # isort: split
 
@@ -22,8 +22,9 @@ def _run_captured(call: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> 
     torch._C._set_grad_enabled(False)
     try:
         return call(inputs)
-    except BaseException:
+    except BaseException as error:
         _forget_checks()
+        _raise_refused_side(error)
         raise
     finally:
         torch._C._set_grad_enabled(grad_enabled)

@@ -2,7 +2,7 @@
 # artifact, from its first "# ---" heading on. The lines above that heading are not
 # carried: they import what the base part defines, so that ruff and pyrefly check
 # this part as a module of its own.
-from templates.runtime.support import _fail, _forget_checks
+from templates.runtime.support import _fail, _forget_checks, _raise_refused_side
 
 # isort: split
 
@@ -40,8 +40,9 @@ def _run_compiled(call: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> 
             "a contiguous example), or capture with backend='eager'. Inductor "
             f"reported: {text.splitlines()[0] if text else text}"
         )
-    except BaseException:
+    except BaseException as error:
         _forget_checks()
+        _raise_refused_side(error)
         raise
 
 

@@ -38,6 +38,31 @@ def _fail(message: str) -> NoReturn:
     raise error_type(message)
 
 
+# A graph holds a side of a branch on a tensor's value that capture could not serve as
+# a subgraph asserting that no call takes it. The assertion's message starts with this,
+# so the driver raises the RuntimeError it gives as the PrecompileError it is: the call,
+# not the program, left what the artifact serves.
+_REFUSED_SIDE = "precompile_gen: this call takes the side of the branch at "
+
+
+def refused_side_message(where: str, side: bool, reason: str) -> str:
+    """The message of the assertion a refused side of the branch at ``where`` makes:
+    the call's predicate was ``side``, a side capture refused for ``reason``."""
+    return (
+        f"{_REFUSED_SIDE}{where} where it is {side}, which capture could not serve "
+        f"({reason}). Run this call eagerly, or make that side return and update "
+        "what the other does, and capture again."
+    )
+
+
+def _raise_refused_side(error: BaseException) -> None:
+    """Raise ``error``, a graph's failure, as a PrecompileError where it is a refused
+    side's assertion (eager's and Inductor's assertions give its message as is)."""
+    text = str(error)
+    if isinstance(error, RuntimeError) and text.startswith(_REFUSED_SIDE):
+        _fail(text.removeprefix("precompile_gen: "))
+
+
 # --- Messages -----------------------------------------------------------------------
 def _listed(items: list[Any], show: Callable[[Any], str] = repr, limit: int = 3) -> str:
     """``items`` as a message lists them: all of them when there are few, else the

@@ -514,7 +514,7 @@ def test_a_side_one_graph_cannot_serve_is_refused_at_the_call_that_takes_it(
     args = arguments(model, optimizer, bad)
     snapshot = StateSnapshot(*args)
     values = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
-    with pytest.raises(RuntimeError) as caught:
+    with pytest.raises(pg.PrecompileError) as caught:
         run(*args)
     message = str(caught.value)
     for expected in (where, why, "Run this call eagerly"):

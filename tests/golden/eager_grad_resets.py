@@ -206,7 +206,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + captured_graph (sha256 a9abb0032912dc4f8701ae84f86db17852d786dc8ad26fed10c0b539e259110d)
+# 4. Runtime support: support + gradients + calls + captured_graph (sha256 0179026006b194fdce484d4c3859dcc8ccebb287add418f719c08f9671a9196c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

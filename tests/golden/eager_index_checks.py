@@ -208,7 +208,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 5a4df9a9edd5e009255ec55e68d27456611825fe97fedd0e13ff468b70e9005c)
+# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 1b47734f839b8b9015ff5bd76d0d72af536e4152579a5ee450fc70e324f384ec)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

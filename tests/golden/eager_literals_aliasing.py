@@ -196,7 +196,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 ebed52f6a00cdf5d4d257931d914f414b21012af852ffc8bcd9436f97c8b8952)
+# 4. Runtime support: support + calls + captured_graph (sha256 6a4cc18f16cd3cf751a7c071b78651205da7b8af93e560ee6f4a63a3357b14ec)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -223,7 +223,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 84da39dc8e702b39ee30d57c7c32ff481d69cfc5f8208c3f0760a13d7dd511db)
+# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 48edc60e41a0b6c0a14ea73e5f307d526cadf19ab9c832f3de2a142a23555cad)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

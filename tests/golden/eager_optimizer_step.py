@@ -296,7 +296,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 01c844f16ffcb05e8d133872bf5cbfeb4272784682c9e0ada27423de5cc4bdaa)
+# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 bd0e1534a251469ef3470b610a959943f42ea01afd22192f8d2188b3226afa82)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

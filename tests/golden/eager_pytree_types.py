@@ -189,7 +189,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 ef2732c293e040feec5f0e0310985b85e7c468d8c2f76a395f94f0e6f9db7a4f)
+# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 c6c21b59a424d878265a0ceeff480eaa4900fa6a6ae855cb2907e41bd4d4ac9f)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

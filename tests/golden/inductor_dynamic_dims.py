@@ -394,7 +394,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 e9f4a5d3d7d0a14bcfeb79234df83474619a30a08cff97c4fb123a781aa70ad8)
+# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 1d17795d1e4376f7b5e1ca030473e5c83e60499a0f23c76be15850bb78cb0327)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -1955,7 +1955,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 105cb72c23641656b04f9b9ced8987302b9268a10cfc5e25cc3e7d1479a8578f)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 13377a8637ae82d18067a504b810d1ae4c5f570d5b4a3be449dd3b2b738fac5a)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -14,8 +14,9 @@ def _run_captured(call: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> 
     torch._C._set_grad_enabled(False)
     try:
         return call(inputs)
-    except BaseException:
+    except BaseException as error:
         _forget_checks()
+        _raise_refused_side(error)
         raise
     finally:
         torch._C._set_grad_enabled(grad_enabled)

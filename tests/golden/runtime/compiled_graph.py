@@ -32,8 +32,9 @@ def _run_compiled(call: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> 
             "a contiguous example), or capture with backend='eager'. Inductor "
             f"reported: {text.splitlines()[0] if text else text}"
         )
-    except BaseException:
+    except BaseException as error:
         _forget_checks()
+        _raise_refused_side(error)
         raise
 
 
