@@ -3,7 +3,7 @@
 A few records, each built from plain ``str``/``int``/``list``/``tuple``/``dict`` values
 (and the cache payload as ``bytes``), so a test can build one by hand and render it
 without tracing anything. The artifact's flat metadata constants are derived from
-them in one place, ``metadata_constants``.
+them by the table in ``precompile_gen.metadata``.
 """
 
 from __future__ import annotations
@@ -39,79 +39,6 @@ LeafValue = bool | int | float | str
 AliasGroup = dict[int, tuple[int, tuple[int, ...]]]
 # A tensor literal's values, as ``tolist()`` gives them.
 LiteralValues = bool | int | float | list["LiteralValues"]
-
-# The artifact's metadata constants, in emission order. ``parse_metadata`` requires
-# every one of them; ``metadata_constants`` derives them from a ``CaptureResult``.
-METADATA_NAMES: tuple[str, ...] = (
-    "BACKEND",
-    "MODULE_POSITIONS",
-    "NUM_POSITIONAL_ARGS",
-    "ARGUMENT_NAMES",
-    "MODULE_TRAINING",
-    "MODULE_HOOKS",
-    "GLOBAL_MODULE_HOOKS",
-    "PYTHON_VALUES",
-    "PARAM_NAMES",
-    "BUFFER_NAMES",
-    "PARAM_SHAPES",
-    "BUFFER_SHAPES",
-    "PARAM_STRIDES",
-    "BUFFER_STRIDES",
-    "PARAM_DTYPES",
-    "BUFFER_DTYPES",
-    "PARAM_DEVICES",
-    "BUFFER_DEVICES",
-    "PARAM_REQUIRES_GRAD",
-    "BUFFER_REQUIRES_GRAD",
-    "GRAD_PARAM_INDICES",
-    "GRAD_RESETS",
-    "STEP_RESETS",
-    "SKIPPABLE_STEP",
-    "IN_SPEC",
-    "OUT_SPEC",
-    "PYTREE_TYPES",
-    "USER_INPUT_SHAPES",
-    "USER_INPUT_DTYPES",
-    "USER_INPUT_DEVICES",
-    "USER_INPUT_BOUNDS",
-    "USER_INPUT_STRIDES",
-    "USER_INPUT_SYMBOLS",
-    "USER_INPUT_VALUES",
-    "NUMBER_INPUTS",
-    "INDEX_CHECKS",
-    "ALIASED_INPUTS",
-    "MUTATED_INPUTS",
-    "DTENSORS",
-    "SHARD_INPUTS",
-    "SHARD_OUTPUTS",
-    "KERNEL_BINARIES",
-    "KERNEL_SOURCES",
-    "OPTIMIZERS",
-    "SCALAR_OUTPUTS",
-    "PROCESS_GROUPS",
-    "DATA_PARALLEL",
-    "SPARSE_GRADIENTS",
-    "DEFERRED_STEPS",
-)
-# Emitted only by captures that have them; an artifact without one has none.
-OPTIONAL_METADATA: dict[str, object] = {
-    "PYTHON_VALUES": [],
-    "PYTREE_TYPES": [],
-    "NUMBER_INPUTS": {},
-    "STEP_RESETS": [],
-    "SKIPPABLE_STEP": False,
-    "MUTATED_INPUTS": [],
-    "INDEX_CHECKS": [],
-    "OPTIMIZERS": [],
-    "SCALAR_OUTPUTS": [],
-    "PROCESS_GROUPS": [],
-    "DATA_PARALLEL": [],
-    "DTENSORS": {},
-    "SHARD_INPUTS": {},
-    "SHARD_OUTPUTS": {},
-    "SPARSE_GRADIENTS": [],
-    "DEFERRED_STEPS": [],
-}
 
 
 class ModuleArgument(NamedTuple):
@@ -527,62 +454,6 @@ class CaptureResult:
     payload: KernelPayload
 
 
-def metadata_constants(cap: CaptureResult) -> dict[str, object]:
-    """The artifact's metadata constants by name, in emission order: the records
-    flattened into aligned lists, the form ``parse_metadata`` and programs written
-    for torch.compiler.precompile's artifacts read."""
-    convention = cap.convention
-    strides = input_strides(cap)
-    return {
-        "BACKEND": cap.backend,
-        "MODULE_POSITIONS": [module.position for module in convention.modules],
-        "NUM_POSITIONAL_ARGS": convention.num_positional_args,
-        "ARGUMENT_NAMES": convention.argument_names,
-        "MODULE_TRAINING": [module.training for module in convention.modules],
-        "MODULE_HOOKS": [module.hooks for module in convention.modules],
-        "GLOBAL_MODULE_HOOKS": convention.global_module_hooks,
-        "PYTHON_VALUES": [tuple(value) for value in convention.python_values],
-        **_state_constants(convention.params, convention.buffers, strides),
-        "GRAD_PARAM_INDICES": convention.grad_param_indices,
-        "GRAD_RESETS": convention.grad_resets,
-        "STEP_RESETS": convention.step_resets,
-        "SKIPPABLE_STEP": convention.skippable_step,
-        "IN_SPEC": convention.in_spec,
-        "OUT_SPEC": convention.out_spec,
-        "PYTREE_TYPES": convention.pytree_types,
-        **_user_input_constants(convention.leaves, strides.leaves),
-        "INDEX_CHECKS": [tuple(check) for check in convention.index_checks],
-        "ALIASED_INPUTS": convention.aliased_inputs,
-        "MUTATED_INPUTS": convention.mutated_inputs,
-        "DTENSORS": {
-            position: tuple(layout) for position, layout in convention.dtensors.items()
-        },
-        "SHARD_INPUTS": {
-            position: tuple(shard)
-            for position, shard in convention.shard_inputs.items()
-        },
-        "SHARD_OUTPUTS": {
-            position: tuple(shard)
-            for position, shard in convention.shard_outputs.items()
-        },
-        "KERNEL_BINARIES": cap.payload.kernel_binaries,
-        "KERNEL_SOURCES": cap.payload.kernel_sources,
-        "OPTIMIZERS": _optimizer_constants(
-            convention.optimizers, strides.optimizer_state
-        ),
-        "SCALAR_OUTPUTS": convention.scalar_outputs,
-        "PROCESS_GROUPS": convention.process_groups,
-        "DATA_PARALLEL": convention.data_parallel,
-        "SPARSE_GRADIENTS": []
-        if convention.sparse_gradients is None
-        else convention.sparse_gradients.params,
-        "DEFERRED_STEPS": [
-            {"position": step.position, "class": step.name, "params": step.params}
-            for step in convention.deferred_steps
-        ],
-    }
-
-
 class InputStrides(NamedTuple):
     """The graph's ``input_strides``, split by the records they belong to."""
 
@@ -613,69 +484,3 @@ def input_strides(cap: CaptureResult) -> InputStrides:
         leaves=strides[num_state:num_inputs],
         optimizer_state=strides[num_inputs:],
     )
-
-
-def _state_constants(
-    params: list[StateTensor], buffers: list[StateTensor], strides: InputStrides
-) -> dict[str, object]:
-    """The parameters' and buffers' aligned constants, in emission order."""
-    return {
-        "PARAM_NAMES": [t.name for t in params],
-        "BUFFER_NAMES": [t.name for t in buffers],
-        "PARAM_SHAPES": [t.shape for t in params],
-        "BUFFER_SHAPES": [t.shape for t in buffers],
-        "PARAM_STRIDES": strides.params,
-        "BUFFER_STRIDES": strides.buffers,
-        "PARAM_DTYPES": [t.dtype for t in params],
-        "BUFFER_DTYPES": [t.dtype for t in buffers],
-        "PARAM_DEVICES": [t.device for t in params],
-        "BUFFER_DEVICES": [t.device for t in buffers],
-        "PARAM_REQUIRES_GRAD": [t.requires_grad for t in params],
-        "BUFFER_REQUIRES_GRAD": [t.requires_grad for t in buffers],
-    }
-
-
-def _user_input_constants(
-    leaves: list[InputLeaf], strides: Strides
-) -> dict[str, object]:
-    """The user-input leaves' aligned constants, in emission order."""
-    return {
-        "USER_INPUT_SHAPES": [leaf.shape for leaf in leaves],
-        "USER_INPUT_DTYPES": [leaf.dtype for leaf in leaves],
-        "USER_INPUT_DEVICES": [leaf.device for leaf in leaves],
-        "USER_INPUT_BOUNDS": [leaf.bounds for leaf in leaves],
-        "USER_INPUT_STRIDES": strides,
-        "USER_INPUT_SYMBOLS": [leaf.symbols for leaf in leaves],
-        "USER_INPUT_VALUES": [leaf.value for leaf in leaves],
-        "NUMBER_INPUTS": {
-            index: leaf.number_use for index, leaf in enumerate(leaves) if leaf.number
-        },
-    }
-
-
-def _optimizer_constants(
-    optimizers: list[OptimizerArgument], strides: Strides
-) -> list[dict[str, object]]:
-    state_strides = iter(strides)
-    return [
-        {
-            "position": optimizer.position,
-            "class": optimizer.name,
-            "steps": optimizer.steps,
-            "groups": [
-                {"params": g.params, "options": g.options, "lr": g.lr}
-                | (
-                    {"values": g.values, "values_dtype": g.values_dtype}
-                    if g.values
-                    else {}
-                )
-                | ({"guards": g.guards} if g.guards else {})
-                for g in optimizer.groups
-            ],
-            # Each state tensor as (param, key, shape, dtype, device, stride).
-            "state": [(*t, next(state_strides)) for t in optimizer.state],
-            # Absent where every key starts as zeros.
-            **({"first_state": optimizer.first_state} if optimizer.first_state else {}),
-        }
-        for optimizer in optimizers
-    ]

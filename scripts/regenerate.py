@@ -5,6 +5,9 @@
 
 The files, in order, since each is made from the one before:
 
+0. templates/runtime/declarations.py (its section 2 block) and
+   precompile_gen/runtime/metadata_types.py: the metadata constants' declarations,
+   from the table in precompile_gen/metadata.py.
 1. tests/fixtures/inductor_mlp_graph.txt: the canned Inductor module the inductor
    goldens splice (tests/fixtures/regenerate_inductor_graph.py). It is Inductor's
    output on this machine's vector instruction set, so it is made and checked only
@@ -98,6 +101,34 @@ def _fixture(path: Path, wanted: str, check: bool) -> str | None:
     return None
 
 
+def metadata_declarations(check: bool) -> str | None:
+    """Regenerate (or check) the files that declare the metadata constants; what is
+    wrong, or None."""
+    from precompile_gen import metadata
+
+    declarations = ROOT / metadata.DECLARATIONS
+    problems = [
+        _generated(
+            declarations, metadata.declarations(declarations.read_text()), check
+        ),
+        _generated(ROOT / metadata.TYPES, metadata.typed_dict(), check),
+    ]
+    return "; ".join(problem for problem in problems if problem) or None
+
+
+def _generated(path: Path, wanted: str, check: bool) -> str | None:
+    """Write (or compare) one file written from precompile_gen/metadata.py."""
+    name = path.relative_to(ROOT)
+    if path.read_text(encoding="utf-8") == wanted:
+        print(f"{name} is up to date")
+        return None
+    if check:
+        return f"{name} differs from the table in precompile_gen/metadata.py"
+    path.write_text(wanted, encoding="utf-8")
+    print(f"updated {name}")
+    return None
+
+
 def goldens(check: bool) -> str | None:
     """Regenerate (or check) tests/golden/; what is wrong, or None."""
     command = [sys.executable, *GOLDEN_COMMAND[1:]]
@@ -139,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     stale = [
         problem
-        for step in (inductor_graph, inductor_triton_graph, goldens, gallery)
+        for step in (
+            metadata_declarations,
+            inductor_graph,
+            inductor_triton_graph,
+            goldens,
+            gallery,
+        )
         if (problem := step(args.check)) is not None
     ]
     for problem in stale:

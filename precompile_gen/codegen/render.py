@@ -18,6 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 
@@ -29,7 +30,6 @@ from precompile_gen.capture_result import (
     KernelEntry,
     StateTensor,
     input_strides,
-    metadata_constants,
 )
 from precompile_gen.codegen import inductor_imports
 from precompile_gen.codegen.layout import (
@@ -42,6 +42,7 @@ from precompile_gen.codegen.layout import (
     section_rule,
     statement_blocks,
 )
+from precompile_gen.metadata import emitted, metadata_constants
 
 # A comment line, which black leaves alone at module level; replaced by the graph.
 GRAPH_MARKER = "# <precompile_gen: compiled graph>"
@@ -360,9 +361,6 @@ class GraphFeatures:
     # Per graph input: (Inductor's name for it, where it has one,) its name and what
     # it is; a header row first.
     input_rows: list[list[str]]
-    # Per parameter, buffer and input leaf: name, shape, stride, dtype, device and
-    # grad; a header row first.
-    tensor_rows: list[list[str]]
 
 
 def graph_features(cap: CaptureResult) -> GraphFeatures:
@@ -410,8 +408,57 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
         call_docstring=_call_docstring(cap),
         call_comment=_call_comment(cap),
         input_rows=input_rows,
-        tensor_rows=_tensor_rows(cap),
     )
+
+
+class MetadataEntry(NamedTuple):
+    """One constant as section 2 writes it: the comment lines above its assignment."""
+
+    comment: list[str]
+    value: object
+    # "NAME: annotation", the assignment's target.
+    declaration: str
+
+
+_INPUTS_AT_A_GLANCE = (
+    "The graph's inputs at a glance (the constants below are the record): each "
+    "parameter, buffer and input leaf, by the name the graph gives it."
+)
+
+
+def metadata_entries(cap: CaptureResult) -> list[MetadataEntry]:
+    """Section 2: each constant ``cap``'s artifact emits (``metadata.CONSTANTS``),
+    its comment filled to the line and followed by what this capture draws there."""
+    values = metadata_constants(cap)
+    drawings = _metadata_drawings(cap)
+    entries = []
+    for constant in emitted(values):
+        comment = constant.comment
+        text = comment[cap.backend] if isinstance(comment, dict) else comment
+        entries.append(
+            MetadataEntry(
+                [*comment_lines(text), *drawings.get(constant.name, [])],
+                values[constant.name],
+                f"{constant.name}: {constant.annotation}",
+            )
+        )
+    return entries
+
+
+def _metadata_drawings(cap: CaptureResult) -> dict[str, list[str]]:
+    """The comment lines drawn above a constant for this capture: the graph's
+    inputs as a table, and the specs as treespec_pprint draws them."""
+    convention = cap.convention
+    drawings = {"OUT_SPEC": [f"# OUT_SPEC: {comment_text(convention.out_structure)}"]}
+    if convention.in_structure is not None:
+        drawings["IN_SPEC"] = [f"# IN_SPEC: {comment_text(convention.in_structure)}"]
+    rows = _tensor_rows(cap)
+    if len(rows) > 1:
+        drawings["PARAM_NAMES"] = [
+            *comment_lines(_INPUTS_AT_A_GLANCE),
+            *(f"#   {line}" for line in columns(rows)),
+        ]
+    return drawings
 
 
 def _kernel_entry(kernel: KernelEntry) -> str:
@@ -627,7 +674,7 @@ def render_skeleton(cap: CaptureResult) -> str:
         .get_template("artifact.py.j2")
         .render(
             cap=cap,
-            metadata=metadata_constants(cap),
+            metadata=metadata_entries(cap),
             features=features,
             convention=cap.convention,
             driver=driver_section(cap, features),

@@ -11,18 +11,21 @@ import linecache
 import logging
 import os
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
-from precompile_gen.capture_result import BACKENDS, METADATA_NAMES, OPTIONAL_METADATA
+from precompile_gen.capture_result import BACKENDS
+from precompile_gen.metadata import METADATA_NAMES, OPTIONAL_METADATA
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import built_here, check_key, code_hash, read_cache
 from precompile_gen.runtime.errors import PrecompileError, listed
+from precompile_gen.runtime.metadata_types import Metadata
 
 log = logging.getLogger(__name__)
 
 
-def parse_metadata(python_code: str) -> dict[str, object]:
+def parse_metadata(python_code: str) -> Metadata:
     """The artifact's metadata constants, by name, read without executing anything."""
     if not isinstance(python_code, str):
         raise ValueError(
@@ -46,7 +49,7 @@ def parse_artifact(python_code: str, what: str = "python_code") -> ast.Module:
         ) from error
 
 
-def metadata_of(module: ast.Module) -> dict[str, object]:
+def metadata_of(module: ast.Module) -> Metadata:
     """The metadata constants of a parsed artifact (see ``parse_metadata``)."""
     _reject_rebinding(module)
     found: dict[str, object] = {}
@@ -89,7 +92,9 @@ def metadata_of(module: ast.Module) -> dict[str, object]:
             f"python_code names the backend {found['BACKEND']!r}; expected one of "
             f"{list(BACKENDS)}. Pass the python_code returned by precompile()."
         )
-    return {name: found[name] for name in METADATA_NAMES}
+    # The literals' types are the annotations' as far as precompile() wrote them;
+    # the driver checks what it relies on when the artifact runs.
+    return cast(Metadata, {name: found[name] for name in METADATA_NAMES})
 
 
 def _reject_rebinding(module: ast.Module) -> None:
@@ -157,7 +162,7 @@ def load(
         _reject_a_path(text)
     metadata = parse_metadata(text)
     _check_cuda_here(metadata)
-    backend = str(metadata["BACKEND"])
+    backend = metadata["BACKEND"]
     if cache is None:
         if key is not None:
             raise ValueError(
@@ -188,14 +193,18 @@ def load(
         return _execute(text, filename, signed=signed, binaries=binaries or {})
 
 
-def _check_cuda_here(metadata: dict[str, object]) -> None:
+def _check_cuda_here(metadata: Metadata) -> None:
     """Refuse, before anything executes, an artifact captured on CUDA where this
     process has no CUDA device: its first call could only fail, and an inductor
     artifact's kernels, built at load, would fail first with a raw Triton error."""
     devices = [
         device
-        for name in ("PARAM_DEVICES", "BUFFER_DEVICES", "USER_INPUT_DEVICES")
-        for device in _listed(metadata[name])
+        for listed_devices in (
+            metadata["PARAM_DEVICES"],
+            metadata["BUFFER_DEVICES"],
+            metadata["USER_INPUT_DEVICES"],
+        )
+        for device in _listed(listed_devices)
         if isinstance(device, str) and device.startswith("cuda")
     ]
     if not devices or torch.cuda.is_available():

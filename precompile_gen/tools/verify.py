@@ -28,7 +28,7 @@ def verify_pair(
 ) -> dict[str, Any]:
     """What was checked, as JSON-ready data; PrecompileError for the first problem."""
     metadata = parse_metadata(python_code)
-    backend = str(metadata["BACKEND"])
+    backend = metadata["BACKEND"]
     if key is not None:
         check_key(key)
     envelope, problem = read_envelope(cache)
@@ -49,7 +49,12 @@ def verify_pair(
         "kernel_binaries": None,
     }
     if backend == "inductor" and payload is not None:
-        report["kernel_binaries"] = _check_binaries(python_code, metadata, payload)
+        report["kernel_binaries"] = _check_binaries(
+            python_code,
+            metadata["KERNEL_BINARIES"],
+            metadata["KERNEL_SOURCES"],
+            payload,
+        )
     return report
 
 
@@ -159,7 +164,10 @@ def _kernels_without_binary(
 
 
 def _check_binaries(
-    python_code: str, metadata: dict[str, object], payload: object
+    python_code: str,
+    pinned: dict[str, str],
+    sources: dict[str, str],
+    payload: object,
 ) -> dict[str, Any]:
     damage = kernel_binaries.damaged(payload)
     if damage is not None:
@@ -168,7 +176,7 @@ def _check_binaries(
             "damaged or made by another tool. Write the pair again with precompile()."
         )
     assert isinstance(payload, dict)
-    foreign = kernel_binaries.unpinned(payload, metadata["KERNEL_BINARIES"])
+    foreign = kernel_binaries.unpinned(payload, pinned)
     if foreign is not None:
         raise PrecompileError(
             f"the cache's kernel binaries are not the ones the artifact names: "
@@ -183,9 +191,7 @@ def _check_binaries(
         "bytes": sum(len(data) for data in files.values()),
         "differs_from_here": kernel_binaries.differing_build(payload, here),
         "cpp_kernels": len(cpp_kernels),
-        "without_binary": _kernels_without_binary(
-            cpp_kernels, metadata["KERNEL_SOURCES"], files
-        ),
+        "without_binary": _kernels_without_binary(cpp_kernels, sources, files),
         "triton": {
             "kernels": list(payload.get("triton_kernels") or []),
             "interpreted": payload.get("triton_interpreted") is True,

@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-# Section 2: the calling-convention metadata.
+# Section 1: the tensor literals the graph takes.
+TENSOR_LITERALS: list[torch.Tensor]
+
+# Section 2: the calling-convention metadata (written from precompile_gen/metadata.py by
+# scripts/regenerate.py).
 BACKEND: str
 MODULE_POSITIONS: list[int]
 NUM_POSITIONAL_ARGS: int
@@ -30,8 +34,8 @@ PARAM_REQUIRES_GRAD: list[bool]
 BUFFER_REQUIRES_GRAD: list[bool]
 GRAD_PARAM_INDICES: list[int]
 GRAD_RESETS: list[tuple[int, bool]]
-STEP_RESETS: list[tuple[int, bool]]
 SKIPPABLE_STEP: bool
+STEP_RESETS: list[tuple[int, bool]]
 IN_SPEC: str | None
 OUT_SPEC: str
 PYTREE_TYPES: list[str]
@@ -57,7 +61,6 @@ PROCESS_GROUPS: list[dict[str, Any]]
 DATA_PARALLEL: list[dict[str, Any]]
 SPARSE_GRADIENTS: list[int]
 DEFERRED_STEPS: list[dict[str, Any]]
-TENSOR_LITERALS: list[torch.Tensor]
 
 # Section 3: this capture's convention beyond the metadata.
 _USER_POSITIONS: list[int]

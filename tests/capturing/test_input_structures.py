@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -315,7 +315,7 @@ def test_metadata_records_the_inputs_written_in_place(
 ) -> None:
     metadata = pg.parse_metadata(layout_artifact.python_code)
     names = [metadata["PARAM_NAMES"], metadata["BUFFER_NAMES"]]
-    leaves_start = sum(len(cast(list[str], n)) for n in names)
+    leaves_start = sum(len(n) for n in names)
     # Only ``total``, the last input leaf: the step's model has no buffers.
     assert metadata["MUTATED_INPUTS"] == [leaves_start + 2]
 

@@ -91,7 +91,7 @@ def test_the_values_read_are_recorded_with_their_paths() -> None:
         f"global SCALE (module {__name__})": "1.0",
     }
     text = pg.render_artifact(cap)
-    parsed = cast(list[tuple[str, str]], pg.parse_metadata(text)["PYTHON_VALUES"])
+    parsed = pg.parse_metadata(text)["PYTHON_VALUES"]
     assert dict(parsed) == values
 
 
@@ -217,7 +217,7 @@ class WithActivation(nn.Module):
 def test_a_closure_cell_held_by_the_model_is_checked() -> None:
     model, x = WithActivation(), example()
     code, cache = pg.precompile(lambda m, x: m(x), model, x, backend="eager")
-    values = cast(list[tuple[str, str]], pg.parse_metadata(code)["PYTHON_VALUES"])
+    values = pg.parse_metadata(code)["PYTHON_VALUES"]
     assert ("argument 0: .act.__closure__[0].cell_contents", "0.2") in values
     loaded = pg.load(code, cache)
     torch.testing.assert_close(loaded(model, x), model(x))
@@ -397,7 +397,7 @@ def test_a_transformers_model_records_what_its_forward_reads() -> None:
         return model(input_ids=ids, use_cache=False).logits
 
     code, cache = pg.precompile(logits, model, ids, backend="eager")
-    values = dict(cast(list[tuple[str, str]], pg.parse_metadata(code)["PYTHON_VALUES"]))
+    values = dict(pg.parse_metadata(code)["PYTHON_VALUES"])
     assert values["argument 0: .transformer.ln_f.eps"] == "1e-05"
     # The library's own module globals are its configuration, not the program's.
     assert not any(path.startswith("global ") for path in values)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -233,14 +233,14 @@ def test_metadata_names_the_sparse_gradients_and_deferred_steps() -> None:
         two_optimizer_step, model, *optimizers, *batch(0), backend="eager"
     )
     metadata = pg.parse_metadata(code)
-    names = cast(list[str], metadata["PARAM_NAMES"])
-    sparse = cast(list[int], metadata["SPARSE_GRADIENTS"])
+    names = metadata["PARAM_NAMES"]
+    sparse = metadata["SPARSE_GRADIENTS"]
     assert [names[i] for i in sparse] == ["emb.weight", "bag.weight"]
     assert metadata["DEFERRED_STEPS"] == [
         {"position": 1, "class": "SparseAdam", "params": [0, 1]}
     ]
     # Only the dense head's Adam state is a graph input.
-    [adam] = cast(list[dict[str, Any]], metadata["OPTIMIZERS"])
+    [adam] = metadata["OPTIMIZERS"]
     assert {names[state[0]] for state in adam["state"]} == {"head.weight", "head.bias"}
 
 

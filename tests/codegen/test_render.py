@@ -20,13 +20,7 @@ import torch.utils._pytree as pytree
 from helpers.golden import CASES
 
 import precompile_gen as pg
-from precompile_gen.capture_result import (
-    METADATA_NAMES,
-    Backend,
-    InputLeaf,
-    StateTensor,
-    metadata_constants,
-)
+from precompile_gen.capture_result import Backend, InputLeaf, StateTensor
 from precompile_gen.codegen.layout import assignment, format_python
 from precompile_gen.codegen.render import (
     GRAPH_MARKER,
@@ -35,6 +29,7 @@ from precompile_gen.codegen.render import (
     runtime_parts,
 )
 from precompile_gen.codegen.stubs import replace_convention, stub_capture
+from precompile_gen.metadata import METADATA_NAMES, metadata_constants
 
 
 def large_capture(backend: Backend) -> pg.CaptureResult:

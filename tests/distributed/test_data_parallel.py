@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -354,7 +354,7 @@ def test_a_call_on_another_world_size_is_refused(
     assert metadata["PROCESS_GROUPS"] == [
         {"name": "0", "backend": "gloo", "ranks": [0, 1]}
     ]
-    assert cast(list[str], metadata["PARAM_NAMES"])[0] == "module.0.weight"
+    assert metadata["PARAM_NAMES"][0] == "module.0.weight"
     report = format_report(inspect_artifact(code))
     assert "0     gloo     [0, 1]        argument 0 (bucket_cap_mb=25.0)" in report
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import precompile_gen as pg
-from precompile_gen.capture_result import metadata_constants
+from precompile_gen.metadata import metadata_constants
 
 BACKENDS = ["eager", "inductor"]
 

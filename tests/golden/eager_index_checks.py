@@ -26,9 +26,9 @@
 # Sections, and the line each starts on:
 # 1. compiled graph, line 34
 # 2. calling-convention metadata, line 67
-# 3. driver, line 187: its forward(), line 196, is what a call runs
+# 3. driver, line 188: its forward(), line 197, is what a call runs
 # 4. runtime support, the same in every artifact of this precompile_gen version (its
-#    sha256 in its title), line 211
+#    sha256 in its title), line 212
 
 # ====================================================================================
 # 1. Compiled graph: the captured ATen graph, run eagerly
@@ -79,8 +79,8 @@ ARGUMENT_NAMES: list[str] = ["model", "ids"]
 # (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
 MODULE_TRAINING: list[list[bool]] = [[True, True, True]]
 # Per module argument: how many hooks of each kind its modules had at the traced call,
-# by module name ("" for itself); and how many global module hooks there were. The
-# trace ran them, so the graph has their effect built in and runs no other hook.
+# by module name ("" for itself); and how many global module hooks there were. The trace
+# ran them, so the graph has their effect built in and runs no other hook.
 MODULE_HOOKS: list[dict[str, dict[str, int]]] = [{}]
 GLOBAL_MODULE_HOOKS: dict[str, int] = {}
 # The Python values the traced code read and built into the graph, each by its path
@@ -94,16 +94,16 @@ PYTHON_VALUES: list[tuple[str, str]] = [
     ("argument 0: .0.scale_grad_by_freq", "False"),
     ("argument 0: .0.sparse", "False"),
 ]
-# The graph's inputs at a glance (the constants below are the record): each
-# parameter, buffer and input leaf, by the name the graph gives it.
+# All modules' parameters, then all modules' buffers, in named_parameters() /
+# named_buffers() order, each tensor once (a tied weight appears under its first name).
+# With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
+# The graph's inputs at a glance (the constants below are the record): each parameter,
+# buffer and input leaf, by the name the graph gives it.
 #   input       name          shape    stride  dtype    device  requires grad
 #   p_0_weight  0.weight      (10, 4)  (4, 1)  float32  cpu     yes
 #   p_1_weight  1.weight      (10, 4)  (4, 1)  float32  cpu     yes
 #   p_1_bias    1.bias        (10,)    (1,)    float32  cpu     yes
 #   ids         input leaf 0  (2, 5)   (5, 1)  int64    cpu     -
-# All modules' parameters, then all modules' buffers, in named_parameters() /
-# named_buffers() order, each tensor once (a tied weight appears under its first name).
-# With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
 PARAM_NAMES: list[str] = ["0.weight", "1.weight", "1.bias"]
 BUFFER_NAMES: list[str] = []
 PARAM_SHAPES: list[tuple[int, ...]] = [(10, 4), (10, 4), (10,)]
@@ -120,7 +120,8 @@ BUFFER_DEVICES: list[str] = []
 # computes, so the runtime model's must be the same.
 PARAM_REQUIRES_GRAD: list[bool] = [True, True, True]
 BUFFER_REQUIRES_GRAD: list[bool] = []
-# The k-th trailing gradient output of `call` belongs to PARAM_NAMES[GRAD_PARAM_INDICES[k]].
+# The k-th trailing gradient output of `call` belongs to
+# PARAM_NAMES[GRAD_PARAM_INDICES[k]].
 GRAD_PARAM_INDICES: list[int] = []
 # (index into PARAM_NAMES, set_to_none) for each parameter whose .grad the function
 # reset with zero_grad(); each call resets them so before adding the gradients.
@@ -148,12 +149,12 @@ USER_INPUT_SYMBOLS: list[dict[int, str] | None] = [None]
 # Per leaf: the value of a bool, int, float or str leaf, built into the graph as a
 # constant, so each call must pass the same; None for tensors and other values.
 USER_INPUT_VALUES: list[bool | int | float | str | None] = [None]
-# The indices the graph computes from input leaves alone (an embedding's ids, a
-# loss's targets), each as (the leaves, the graph's ops that compute it from them,
-# each (op, arguments, keywords) with {"leaf": k} and {"step": j} for its tensors,
-# none when it is the leaf itself; low, high, a value allowed besides, what it
-# indexes): every call must keep low <= value < high (or that value), as eager
-# PyTorch requires, and is checked before the graph runs.
+# The indices the graph computes from input leaves alone (an embedding's ids, a loss's
+# targets), each as (the leaves, the graph's ops that compute it from them, each (op,
+# arguments, keywords) with {"leaf": k} and {"step": j} for its tensors, none when it is
+# the leaf itself; low, high, a value allowed besides, what it indexes): every call must
+# keep low <= value < high (or that value), as eager PyTorch requires, and is checked
+# before the graph runs.
 INDEX_CHECKS: list[tuple[tuple[int, ...], tuple, int, int, int | None, str]] = [
     (
         (0,),
@@ -176,11 +177,11 @@ INDEX_CHECKS: list[tuple[tuple[int, ...], tuple, int, int, int | None, str]] = [
 # one storage at capture, e.g. a tensor passed twice, each member with its (storage
 # offset, strides) there. The graph was traced for exactly this aliasing.
 ALIASED_INPUTS: list[dict[int, tuple[int, tuple[int, ...]]]] = []
-# The compiled kernels this artifact accepts from a cache: file key (in inductor's
-# cache folder) -> sha256. load() writes no other binary, whatever the cache brings.
+# The compiled kernels this artifact accepts from a cache: file key (in inductor's cache
+# folder) -> sha256. load() writes no other binary, whatever the cache brings.
 KERNEL_BINARIES: dict[str, str] = {}
-# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the
-# file key of its binary above. A kernel without one compiles from its source.
+# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the file
+# key of its binary above. A kernel without one compiles from its source.
 KERNEL_SOURCES: dict[str, str] = {}
 
 # ====================================================================================

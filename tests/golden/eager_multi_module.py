@@ -26,9 +26,9 @@
 # Sections, and the line each starts on:
 # 1. compiled graph, line 34
 # 2. calling-convention metadata, line 77
-# 3. driver, line 201: its forward(), line 210, is what a call runs
+# 3. driver, line 202: its forward(), line 211, is what a call runs
 # 4. runtime support, the same in every artifact of this precompile_gen version (its
-#    sha256 in its title), line 226
+#    sha256 in its title), line 227
 
 # ====================================================================================
 # 1. Compiled graph: the captured ATen graph, run eagerly
@@ -89,8 +89,8 @@ ARGUMENT_NAMES: list[str] = ["encoder", "batch", "head"]
 # (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
 MODULE_TRAINING: list[list[bool]] = [[True, True, True, True], [True]]
 # Per module argument: how many hooks of each kind its modules had at the traced call,
-# by module name ("" for itself); and how many global module hooks there were. The
-# trace ran them, so the graph has their effect built in and runs no other hook.
+# by module name ("" for itself); and how many global module hooks there were. The trace
+# ran them, so the graph has their effect built in and runs no other hook.
 MODULE_HOOKS: list[dict[str, dict[str, int]]] = [{}, {}]
 GLOBAL_MODULE_HOOKS: dict[str, int] = {}
 # The Python values the traced code read and built into the graph, each by its path
@@ -103,8 +103,11 @@ PYTHON_VALUES: list[tuple[str, str]] = [
     ("argument 0: .1.track_running_stats", "True"),
     ("argument 0: .2.inplace", "False"),
 ]
-# The graph's inputs at a glance (the constants below are the record): each
-# parameter, buffer and input leaf, by the name the graph gives it.
+# All modules' parameters, then all modules' buffers, in named_parameters() /
+# named_buffers() order, each tensor once (a tied weight appears under its first name).
+# With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
+# The graph's inputs at a glance (the constants below are the record): each parameter,
+# buffer and input leaf, by the name the graph gives it.
 #   input                       name                      shape   stride  dtype    device  requires grad
 #   p_m0_0_weight               m0.0.weight               (6, 4)  (4, 1)  float32  cpu     yes
 #   p_m0_0_bias                 m0.0.bias                 (6,)    (1,)    float32  cpu     yes
@@ -116,9 +119,6 @@ PYTHON_VALUES: list[tuple[str, str]] = [
 #   b_m0_1_running_var          m0.1.running_var          (6,)    (1,)    float32  cpu     no
 #   b_m0_1_num_batches_tracked  m0.1.num_batches_tracked  ()      ()      int64    cpu     no
 #   batch_x                     input leaf 0              (5, 4)  (4, 1)  float32  cpu     -
-# All modules' parameters, then all modules' buffers, in named_parameters() /
-# named_buffers() order, each tensor once (a tied weight appears under its first name).
-# With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
 PARAM_NAMES: list[str] = [
     "m0.0.weight",
     "m0.0.bias",
@@ -153,7 +153,8 @@ BUFFER_DEVICES: list[str] = ["cpu", "cpu", "cpu"]
 # computes, so the runtime model's must be the same.
 PARAM_REQUIRES_GRAD: list[bool] = [True, True, True, True, True, True]
 BUFFER_REQUIRES_GRAD: list[bool] = [False, False, False]
-# The k-th trailing gradient output of `call` belongs to PARAM_NAMES[GRAD_PARAM_INDICES[k]].
+# The k-th trailing gradient output of `call` belongs to
+# PARAM_NAMES[GRAD_PARAM_INDICES[k]].
 GRAD_PARAM_INDICES: list[int] = []
 # (index into PARAM_NAMES, set_to_none) for each parameter whose .grad the function
 # reset with zero_grad(); each call resets them so before adding the gradients.
@@ -190,11 +191,11 @@ ALIASED_INPUTS: list[dict[int, tuple[int, tuple[int, ...]]]] = []
 # The graph inputs (indices as in ALIASED_INPUTS) the graph updates in place: the
 # caller's tensor must be the one updated, so it is never replaced by a copy.
 MUTATED_INPUTS: list[int] = [6, 7, 8]
-# The compiled kernels this artifact accepts from a cache: file key (in inductor's
-# cache folder) -> sha256. load() writes no other binary, whatever the cache brings.
+# The compiled kernels this artifact accepts from a cache: file key (in inductor's cache
+# folder) -> sha256. load() writes no other binary, whatever the cache brings.
 KERNEL_BINARIES: dict[str, str] = {}
-# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the
-# file key of its binary above. A kernel without one compiles from its source.
+# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the file
+# key of its binary above. A kernel without one compiles from its source.
 KERNEL_SOURCES: dict[str, str] = {}
 
 # ====================================================================================

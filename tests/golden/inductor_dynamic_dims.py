@@ -29,9 +29,9 @@
 # Sections, and the line each starts on:
 # 1. compiled graph, line 37
 # 2. calling-convention metadata, line 281
-# 3. driver, line 374: its forward(), line 383, is what a call runs
+# 3. driver, line 375: its forward(), line 384, is what a call runs
 # 4. runtime support, the same in every artifact of this precompile_gen version (its
-#    sha256 in its title), line 397
+#    sha256 in its title), line 398
 
 # ====================================================================================
 # 1. Compiled graph: AOTAutograd + Inductor, exposing call()
@@ -293,21 +293,21 @@ ARGUMENT_NAMES: list[str] = ["model", "x"]
 # (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
 MODULE_TRAINING: list[list[bool]] = [[True, True, True, True]]
 # Per module argument: how many hooks of each kind its modules had at the traced call,
-# by module name ("" for itself); and how many global module hooks there were. The
-# trace ran them, so the graph has their effect built in and runs no other hook.
+# by module name ("" for itself); and how many global module hooks there were. The trace
+# ran them, so the graph has their effect built in and runs no other hook.
 MODULE_HOOKS: list[dict[str, dict[str, int]]] = [{}]
 GLOBAL_MODULE_HOOKS: dict[str, int] = {}
-# The graph's inputs at a glance (the constants below are the record): each
-# parameter, buffer and input leaf, by the name the graph gives it.
+# All modules' parameters, then all modules' buffers, in named_parameters() /
+# named_buffers() order, each tensor once (a tied weight appears under its first name).
+# With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
+# The graph's inputs at a glance (the constants below are the record): each parameter,
+# buffer and input leaf, by the name the graph gives it.
 #   input       name          shape    stride  dtype    device  requires grad
 #   p_0_weight  0.weight      (8, 4)   (4, 1)  float32  cpu     yes
 #   p_0_bias    0.bias        (8,)     (1,)    float32  cpu     yes
 #   p_2_weight  2.weight      (2, 8)   (8, 1)  float32  cpu     yes
 #   p_2_bias    2.bias        (2,)     (1,)    float32  cpu     yes
 #   x           input leaf 0  (u0, 4)  any     float32  cpu     -
-# All modules' parameters, then all modules' buffers, in named_parameters() /
-# named_buffers() order, each tensor once (a tied weight appears under its first name).
-# With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
 PARAM_NAMES: list[str] = ["0.weight", "0.bias", "2.weight", "2.bias"]
 BUFFER_NAMES: list[str] = []
 PARAM_SHAPES: list[tuple[int, ...]] = [(8, 4), (8,), (2, 8), (2,)]
@@ -329,7 +329,8 @@ BUFFER_DEVICES: list[str] = []
 # computes, so the runtime model's must be the same.
 PARAM_REQUIRES_GRAD: list[bool] = [True, True, True, True]
 BUFFER_REQUIRES_GRAD: list[bool] = []
-# The k-th trailing gradient output of `call` belongs to PARAM_NAMES[GRAD_PARAM_INDICES[k]].
+# The k-th trailing gradient output of `call` belongs to
+# PARAM_NAMES[GRAD_PARAM_INDICES[k]].
 GRAD_PARAM_INDICES: list[int] = []
 # (index into PARAM_NAMES, set_to_none) for each parameter whose .grad the function
 # reset with zero_grad(); each call resets them so before adding the gradients.
@@ -363,11 +364,11 @@ USER_INPUT_VALUES: list[bool | int | float | str | None] = [None]
 # one storage at capture, e.g. a tensor passed twice, each member with its (storage
 # offset, strides) there. The graph was traced for exactly this aliasing.
 ALIASED_INPUTS: list[dict[int, tuple[int, tuple[int, ...]]]] = []
-# The compiled kernels this artifact accepts from a cache: file key (in inductor's
-# cache folder) -> sha256. load() writes no other binary, whatever the cache brings.
+# The compiled kernels this artifact accepts from a cache: file key (in inductor's cache
+# folder) -> sha256. load() writes no other binary, whatever the cache brings.
 KERNEL_BINARIES: dict[str, str] = {}
-# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the
-# file key of its binary above. A kernel without one compiles from its source.
+# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the file
+# key of its binary above. A kernel without one compiles from its source.
 KERNEL_SOURCES: dict[str, str] = {}
 
 # ====================================================================================

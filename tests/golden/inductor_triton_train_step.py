@@ -1760,8 +1760,8 @@ ARGUMENT_NAMES: list[str] = ["model", "opt", "x", "target"]
 # (itself first). The graph took that mode's branches (BatchNorm statistics, dropout).
 MODULE_TRAINING: list[list[bool]] = [[True, True, True, True, True]]
 # Per module argument: how many hooks of each kind its modules had at the traced call,
-# by module name ("" for itself); and how many global module hooks there were. The
-# trace ran them, so the graph has their effect built in and runs no other hook.
+# by module name ("" for itself); and how many global module hooks there were. The trace
+# ran them, so the graph has their effect built in and runs no other hook.
 MODULE_HOOKS: list[dict[str, dict[str, int]]] = [{}]
 GLOBAL_MODULE_HOOKS: dict[str, int] = {}
 # The Python values the traced code read and built into the graph, each by its path
@@ -1773,8 +1773,11 @@ PYTHON_VALUES: list[tuple[str, str]] = [
     ("argument 0: .1.normalized_shape", "(8,)"),
     ("argument 0: .2.approximate", "'none'"),
 ]
-# The graph's inputs at a glance (the constants below are the record): each
-# parameter, buffer and input leaf, by the name the graph gives it.
+# All modules' parameters, then all modules' buffers, in named_parameters() /
+# named_buffers() order, each tensor once (a tied weight appears under its first name).
+# With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
+# The graph's inputs at a glance (the constants below are the record): each parameter,
+# buffer and input leaf, by the name the graph gives it.
 #   input       name          shape   stride  dtype    device  requires grad
 #   p_0_weight  0.weight      (8, 4)  (4, 1)  float32  cpu     yes
 #   p_0_bias    0.bias        (8,)    (1,)    float32  cpu     yes
@@ -1784,9 +1787,6 @@ PYTHON_VALUES: list[tuple[str, str]] = [
 #   p_3_bias    3.bias        (2,)    (1,)    float32  cpu     yes
 #   x           input leaf 0  (3, 4)  (4, 1)  float32  cpu     -
 #   target      input leaf 1  (3, 2)  (2, 1)  float32  cpu     -
-# All modules' parameters, then all modules' buffers, in named_parameters() /
-# named_buffers() order, each tensor once (a tied weight appears under its first name).
-# With several modules each name is prefixed by the module's index: "m0.", "m1.", ...
 PARAM_NAMES: list[str] = [
     "0.weight",
     "0.bias",
@@ -1817,7 +1817,8 @@ BUFFER_DEVICES: list[str] = []
 # computes, so the runtime model's must be the same.
 PARAM_REQUIRES_GRAD: list[bool] = [True, True, True, True, True, True]
 BUFFER_REQUIRES_GRAD: list[bool] = []
-# The k-th trailing gradient output of `call` belongs to PARAM_NAMES[GRAD_PARAM_INDICES[k]].
+# The k-th trailing gradient output of `call` belongs to
+# PARAM_NAMES[GRAD_PARAM_INDICES[k]].
 GRAD_PARAM_INDICES: list[int] = [0, 1, 2, 3, 4, 5]
 # (index into PARAM_NAMES, set_to_none) for each parameter whose .grad the function
 # reset with zero_grad(); each call resets them so before adding the gradients.
@@ -1859,19 +1860,18 @@ ALIASED_INPUTS: list[dict[int, tuple[int, tuple[int, ...]]]] = []
 # The graph inputs (indices as in ALIASED_INPUTS) the graph updates in place: the
 # caller's tensor must be the one updated, so it is never replaced by a copy.
 MUTATED_INPUTS: list[int] = [0, 1, 2, 3, 4, 5]
-# The compiled kernels this artifact accepts from a cache: file key (in inductor's
-# cache folder) -> sha256. load() writes no other binary, whatever the cache brings.
+# The compiled kernels this artifact accepts from a cache: file key (in inductor's cache
+# folder) -> sha256. load() writes no other binary, whatever the cache brings.
 KERNEL_BINARIES: dict[str, str] = {}
-# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the
-# file key of its binary above. A kernel without one compiles from its source.
+# Which binary is whose: the sha256 of each C++ kernel's source in section 1 -> the file
+# key of its binary above. A kernel without one compiles from its source.
 KERNEL_SOURCES: dict[str, str] = {}
-# Per optimizer argument: its position and class (in torch.optim); whether the
-# function calls its step(); per param group the parameters it holds (indices into
-# PARAM_NAMES), the values the step was traced with, which each call must keep, and
-# the (dtype, device) of the lr tensor each call passes; and the (parameter index,
-# key, shape, dtype, device, strides) of each state tensor (strides as the *_STRIDES
-# constants have them), graph inputs after the input leaves, followed by one lr per
-# group.
+# Per optimizer argument: its position and class (in torch.optim); whether the function
+# calls its step(); per param group the parameters it holds (indices into PARAM_NAMES),
+# the values the step was traced with, which each call must keep, and the (dtype,
+# device) of the lr tensor each call passes; and the (parameter index, key, shape,
+# dtype, device, strides) of each state tensor (strides as the *_STRIDES constants have
+# them), graph inputs after the input leaves, followed by one lr per group.
 OPTIMIZERS: list[dict[str, "Any"]] = [
     {
         "class": "AdamW",

@@ -32,8 +32,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import precompile_gen as pg
-from precompile_gen.capture_result import BACKENDS, METADATA_NAMES
+from precompile_gen.capture_result import BACKENDS
 from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.metadata import METADATA_NAMES
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import (
     CACHE_FORMAT,

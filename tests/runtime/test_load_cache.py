@@ -27,13 +27,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.capture_result import (
+from precompile_gen.capture_result import Backend
+from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.metadata import (
     METADATA_NAMES,
-    OPTIONAL_METADATA,
-    Backend,
+    REQUIRED_NAMES,
     metadata_constants,
 )
-from precompile_gen.codegen.stubs import stub_capture
 from precompile_gen.runtime.cache import CACHE_FORMAT, CACHE_VERSION, build_cache
 
 
@@ -242,57 +242,7 @@ def test_parse_metadata_of_a_known_capture(captured: Captured) -> None:
         "SPARSE_GRADIENTS": [],
         "DEFERRED_STEPS": [],
     }
-    assert list(meta) == [
-        "BACKEND",
-        "MODULE_POSITIONS",
-        "NUM_POSITIONAL_ARGS",
-        "ARGUMENT_NAMES",
-        "MODULE_TRAINING",
-        "MODULE_HOOKS",
-        "GLOBAL_MODULE_HOOKS",
-        "PYTHON_VALUES",
-        "PARAM_NAMES",
-        "BUFFER_NAMES",
-        "PARAM_SHAPES",
-        "BUFFER_SHAPES",
-        "PARAM_STRIDES",
-        "BUFFER_STRIDES",
-        "PARAM_DTYPES",
-        "BUFFER_DTYPES",
-        "PARAM_DEVICES",
-        "BUFFER_DEVICES",
-        "PARAM_REQUIRES_GRAD",
-        "BUFFER_REQUIRES_GRAD",
-        "GRAD_PARAM_INDICES",
-        "GRAD_RESETS",
-        "STEP_RESETS",
-        "SKIPPABLE_STEP",
-        "IN_SPEC",
-        "OUT_SPEC",
-        "PYTREE_TYPES",
-        "USER_INPUT_SHAPES",
-        "USER_INPUT_DTYPES",
-        "USER_INPUT_DEVICES",
-        "USER_INPUT_BOUNDS",
-        "USER_INPUT_STRIDES",
-        "USER_INPUT_SYMBOLS",
-        "USER_INPUT_VALUES",
-        "NUMBER_INPUTS",
-        "INDEX_CHECKS",
-        "ALIASED_INPUTS",
-        "MUTATED_INPUTS",
-        "DTENSORS",
-        "SHARD_INPUTS",
-        "SHARD_OUTPUTS",
-        "KERNEL_BINARIES",
-        "KERNEL_SOURCES",
-        "OPTIMIZERS",
-        "SCALAR_OUTPUTS",
-        "PROCESS_GROUPS",
-        "DATA_PARALLEL",
-        "SPARSE_GRADIENTS",
-        "DEFERRED_STEPS",
-    ]
+    assert list(meta) == list(METADATA_NAMES)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -351,7 +301,7 @@ def test_parse_metadata_of_empty_text_counts_every_constant() -> None:
     with pytest.raises(pg.PrecompileError) as info:
         pg.parse_metadata("")
     message = str(info.value)
-    required = [name for name in METADATA_NAMES if name not in OPTIONAL_METADATA]
+    required = list(REQUIRED_NAMES)
     first_line, _, rest = message.partition("\n")
     assert f"lacks {len(required)} of the metadata constants" in first_line
     assert "Pass the python_code returned by precompile()" in first_line

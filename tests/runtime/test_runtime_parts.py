@@ -17,8 +17,8 @@ from helpers.golden import (
 )
 
 import precompile_gen as pg
-from precompile_gen.capture_result import metadata_constants
 from precompile_gen.codegen import render
+from precompile_gen.metadata import metadata_constants
 
 
 def executed(cap: pg.CaptureResult) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from helpers.processes import TESTS_DIR, env_with_helpers
 from helpers.small_net import example, train_step
 
 import precompile_gen as pg
-from precompile_gen.capture_result import metadata_constants
 from precompile_gen.codegen.stubs import stub_capture
+from precompile_gen.metadata import metadata_constants
 
 HERE = Path(__file__).parent
 # Runs the artifact file against eager PyTorch, importing nothing from precompile_gen.

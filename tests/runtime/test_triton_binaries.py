@@ -266,11 +266,8 @@ def test_verify_counts_the_compiled_configurations_the_cache_carries(
     recorded: dict[str, object],
 ) -> None:
     payload = _payload(recorded)
-    metadata: dict[str, object] = {
-        "KERNEL_BINARIES": kernel_binaries.digests(payload),
-        "KERNEL_SOURCES": {},
-    }
-    binaries = verify._check_binaries("", metadata, payload)
+    pinned = kernel_binaries.digests(payload)
+    binaries = verify._check_binaries("", pinned, {}, payload)
     assert binaries["triton"] == {
         "kernels": [KERNEL],
         "interpreted": False,
