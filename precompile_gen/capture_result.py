@@ -196,6 +196,21 @@ class PythonValue(NamedTuple):
     value: str
 
 
+class InputTree(NamedTuple):
+    """The tree of the non-module arguments, as the trace flattened them."""
+
+    # Its ``treespec_dumps`` (IN_SPEC), or None where it cannot be serialised: the
+    # driver then checks the leaves only. As ``treespec_pprint`` draws it, for
+    # people to read.
+    spec: str | None
+    structure: str | None
+    # Whether it holds a dict, whose keys a call may pass in another order (only
+    # where ``spec`` is not None: the driver checks no structure otherwise).
+    holds_dicts: bool = False
+    # Whether each argument is a leaf itself, not a container.
+    flat: bool = False
+
+
 class InputLeaf(NamedTuple):
     """One leaf of the flattened non-module arguments; a non-tensor leaf has no
     shape, dtype, device, bounds or symbols."""
@@ -304,11 +319,7 @@ class CallConvention:
     params: list[StateTensor]
     buffers: list[StateTensor]
     # --- The inputs ----------------------------------------------------------------
-    # ``treespec_dumps`` of the non-module arguments, or None when that spec cannot
-    # be serialised (the driver then skips the structure check); and as
-    # ``treespec_pprint`` writes it, for people to read.
-    in_spec: str | None
-    in_structure: str | None
+    in_tree: InputTree
     leaves: list[InputLeaf]
     # The name of each graph input, in graph-input order (``graph_names``): the
     # module state, the input leaves, the optimizers' state, lrs and values tensors,
@@ -386,6 +397,28 @@ class CallConvention:
     value_branches: list[str] = field(default_factory=list)
 
 
+class InputStrides(NamedTuple):
+    """The strides of the graph's inputs before the lrs, by the records they belong
+    to: each a tuple where the compiled graph depends on the example's layout, None
+    where it does not (or for a non-tensor leaf)."""
+
+    params: Strides
+    buffers: Strides
+    leaves: Strides
+    optimizer_state: Strides
+
+    def flat(self) -> Strides:
+        """In graph-input order: the module state, the leaves, the optimizers' state."""
+        return [*self.params, *self.buffers, *self.leaves, *self.optimizer_state]
+
+    def replaced(self, flat: Strides) -> InputStrides:
+        """The same records holding ``flat`` (in ``flat()``'s order) instead."""
+        values = iter(flat)
+        return InputStrides(
+            *([next(values) for _ in strides] for strides in self)  # type: ignore[arg-type]
+        )
+
+
 @dataclass(frozen=True)
 class CompiledGraph:
     """The compiled graph, spliced verbatim into the artifact, with what lowering
@@ -396,7 +429,7 @@ class CompiledGraph:
     source: str
     # Inputs of the graph after the user-input leaves, written out as literals.
     tensor_literals: list[TensorLiteral]
-    input_strides: Strides
+    input_strides: InputStrides
     # Eager only: the imports fx's generated code expects in scope.
     imports: list[str]
     # Eager only: the torch.cond branches fx's code reads as ``self.<name>``, each
@@ -452,35 +485,3 @@ class CaptureResult:
     convention: CallConvention
     graph: CompiledGraph
     payload: KernelPayload
-
-
-class InputStrides(NamedTuple):
-    """The graph's ``input_strides``, split by the records they belong to."""
-
-    params: Strides
-    buffers: Strides
-    leaves: Strides
-    optimizer_state: Strides
-
-
-def input_strides(cap: CaptureResult) -> InputStrides:
-    """``cap.graph.input_strides`` by the convention's records; a ``ValueError``
-    where their counts disagree."""
-    convention, strides = cap.convention, cap.graph.input_strides
-    num_params = len(convention.params)
-    num_state = num_params + len(convention.buffers)
-    num_inputs = num_state + len(convention.leaves)
-    num_optimizer_state = sum(len(o.state) for o in convention.optimizers)
-    if len(strides) != num_inputs + num_optimizer_state:
-        raise ValueError(
-            f"the CompiledGraph has {len(strides)} input_strides, but its "
-            f"convention has {num_inputs + num_optimizer_state} graph inputs "
-            "before the lrs: one per parameter, buffer, input leaf and "
-            "optimizer state tensor."
-        )
-    return InputStrides(
-        params=strides[:num_params],
-        buffers=strides[num_params:num_state],
-        leaves=strides[num_state:num_inputs],
-        optimizer_state=strides[num_inputs:],
-    )

@@ -236,7 +236,7 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant(
         "IN_SPEC",
         "str | None",
-        lambda r: r.convention.in_spec,
+        lambda r: r.convention.in_tree.spec,
         "Pytree specs (treespec_dumps) of the non-module arguments and of the "
         "result, each drawn above it as treespec_pprint draws it (* is a leaf). "
         "IN_SPEC is None when the input structure could not be serialised; it is "
@@ -467,9 +467,7 @@ OPTIONAL_METADATA: dict[str, object] = {
 
 def records(cap: CaptureResult) -> Records:
     """What ``cap``'s constants are read from."""
-    from precompile_gen.capture_result import input_strides
-
-    return Records(cap.backend, cap.convention, cap.payload, input_strides(cap))
+    return Records(cap.backend, cap.convention, cap.payload, cap.graph.input_strides)
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:

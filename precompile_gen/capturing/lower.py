@@ -24,9 +24,9 @@ from precompile_gen.capture_result import (
     CaptureResult,
     CompiledGraph,
     ImportRewrite,
+    InputStrides,
     KernelEntry,
     KernelPayload,
-    Strides,
     TensorLiteral,
 )
 from precompile_gen.capturing import (
@@ -138,8 +138,8 @@ _ASSERTED_INPUTS = re.compile(
 
 
 def _layout_dependent(
-    strides: Strides, graph: _LoweredGraph, mutated_inputs: list[int]
-) -> Strides:
+    strides: InputStrides, graph: _LoweredGraph, mutated_inputs: list[int]
+) -> InputStrides:
     """The example's ``strides`` kept only where the compiled graph depends on them:
     on inductor, the inputs a kernel reads, which Inductor asserts, and those the
     graph updates in place. An input used for its shape alone, or not at all, may
@@ -152,10 +152,14 @@ def _layout_dependent(
     asserted = set()
     for single, grouped in _ASSERTED_INPUTS.findall(graph.source):
         asserted.update([single] if single else grouped.split(", "))
-    return [
-        stride if names[position] in asserted or position in mutated_inputs else None
-        for position, stride in enumerate(strides)
-    ]
+    return strides.replaced(
+        [
+            stride
+            if names[position] in asserted or position in mutated_inputs
+            else None
+            for position, stride in enumerate(strides.flat())
+        ]
+    )
 
 
 def _positional_names(graph_source: str, traced: TracedGraph) -> list[str]:

@@ -34,6 +34,8 @@ from precompile_gen.capture_result import (
     DeferredStep,
     DTensorLayout,
     InputLeaf,
+    InputStrides,
+    InputTree,
     LeafValue,
     ModuleArgument,
     OptimizerArgument,
@@ -134,7 +136,7 @@ class TracedGraph:
     # The example's strides, one per graph input before the lrs (None for a
     # non-tensor leaf or one with dynamic dims): lowering keeps those the compiled
     # graph depends on.
-    example_strides: Strides
+    example_strides: InputStrides
     convention: CallConvention
 
 
@@ -1024,7 +1026,6 @@ def _record(
     names = state.param_names + state.buffer_names
     checks = index_checks.index_checks(gm, names, len(user.leaves))
     example_strides = _example_strides(state, user, flat_args, updates.optimizers)
-    in_spec = _dump_in_spec(user.in_spec)
     state_tensors = _state_tensors(state)
     if local is not None:
         gm, flat_args = local.gm, local.flat_args
@@ -1036,8 +1037,7 @@ def _record(
         global_module_hooks=modes.global_hooks,
         params=state_tensors[: state.num_params],
         buffers=state_tensors[state.num_params :],
-        in_spec=in_spec,
-        in_structure=None if in_spec is None else pytree.treespec_pprint(user.in_spec),
+        in_tree=input_tree(user.in_spec, len(call.user_positions)),
         leaves=_input_leaves(user, harvest.float_arguments),
         input_names=_input_names(call, state, updates, constants),
         aliased_inputs=inputs.aliased_inputs,
@@ -1116,29 +1116,48 @@ def _example_strides(
     user: _UserLeaves,
     flat_args: list[object],
     optimizer_arguments: list[OptimizerArgument],
-) -> Strides:
+) -> InputStrides:
     """Each graph input's strides before the lrs, as the example had them: the
     module state, the user-input leaves (None for a non-tensor one or one with
     dynamic dims), then the optimizers' state the graph kept."""
-    strides: Strides = [tuple(tensor.stride()) for tensor in state.tensors]
-    strides += [
-        None if marked or not isinstance(leaf, torch.Tensor) else tuple(leaf.stride())
-        for leaf, marked in zip(user.leaves, user.marks, strict=True)
-    ]
-    start = len(strides)
+    state_strides: Strides = [tuple(tensor.stride()) for tensor in state.tensors]
+    start = len(state.tensors) + len(user.leaves)
     count = sum(len(optimizer.state) for optimizer in optimizer_arguments)
+    optimizer_state: Strides = []
     for tensor in flat_args[start : start + count]:
         assert isinstance(tensor, torch.Tensor)
-        strides.append(tuple(tensor.stride()))
-    return strides
+        optimizer_state.append(tuple(tensor.stride()))
+    return InputStrides(
+        params=state_strides[: state.num_params],
+        buffers=state_strides[state.num_params :],
+        leaves=[
+            None
+            if marked or not isinstance(leaf, torch.Tensor)
+            else tuple(leaf.stride())
+            for leaf, marked in zip(user.leaves, user.marks, strict=True)
+        ],
+        optimizer_state=optimizer_state,
+    )
 
 
-def _dump_in_spec(in_spec: pytree.TreeSpec) -> str | None:
+def input_tree(in_spec: pytree.TreeSpec, count: int) -> InputTree:
+    """The record of ``in_spec``, the tree of ``count`` non-module arguments."""
     try:
-        return pytree.treespec_dumps(in_spec)
+        dumped = pytree.treespec_dumps(in_spec)
     except (NotImplementedError, TypeError):
         # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
-        return None
+        return InputTree(None, None)
+    nodes, holds_dicts = [in_spec], False
+    while nodes and not holds_dicts:
+        node = nodes.pop()
+        holds_dicts = node.type is dict
+        nodes += node.children()
+    flat = (
+        in_spec.type is tuple
+        and in_spec.num_children == count
+        and all(child.is_leaf() for child in in_spec.children())
+    )
+    return InputTree(dumped, pytree.treespec_pprint(in_spec), holds_dicts, flat)
 
 
 def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:

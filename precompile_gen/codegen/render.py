@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,8 +27,9 @@ from precompile_gen.capture_result import (
     ImportRewrite,
     InputLeaf,
     KernelEntry,
+    SparseGradients,
     StateTensor,
-    input_strides,
+    TensorLiteral,
 )
 from precompile_gen.codegen import inductor_imports
 from precompile_gen.codegen.layout import (
@@ -220,20 +220,19 @@ class DriverFeatures:
 
 def driver_features(cap: CaptureResult) -> DriverFeatures:
     conv = cap.convention
-    user_positions = _user_positions(conv)
     leaves = conv.leaves
     inductor = cap.backend == "inductor"
-    strides = input_strides(cap)
+    strides = cap.graph.input_strides
     state_strides = [*strides.params, *strides.buffers, *strides.optimizer_state]
     return DriverFeatures(
         compiled=inductor,
-        tensor_arguments=_flat_tuple_of_leaves(conv.in_spec, len(user_positions))
+        tensor_arguments=conv.in_tree.flat
         and all(leaf.shape is not None for leaf in leaves),
         values=any(leaf.value is not None for leaf in leaves),
         dynamic_dims=any(leaf.bounds for leaf in leaves),
         shared_sizes=any(leaf.symbols for leaf in leaves),
         pytree_types=bool(conv.pytree_types),
-        dict_inputs=_holds_dicts(conv.in_spec),
+        dict_inputs=conv.in_tree.holds_dicts,
         aliasing=bool(conv.aliased_inputs),
         state_layouts=inductor and any(stride is not None for stride in state_strides),
         leaf_layouts=inductor and any(stride is not None for stride in strides.leaves),
@@ -289,6 +288,11 @@ class DriverSection:
     # _checked_state's arguments: the call, the modules, and the capture's own
     # checks of the module state.
     state_checks: list[str]
+    # The graph updates inputs in place, which a copy into the captured layout must
+    # not hide from the caller.
+    mutated_inputs: bool
+    # The sparse gradients the driver builds from the graph's last outputs.
+    sparse_gradients: SparseGradients | None
 
 
 def driver_section(cap: CaptureResult, features: DriverFeatures) -> DriverSection:
@@ -323,6 +327,8 @@ def driver_section(cap: CaptureResult, features: DriverFeatures) -> DriverSectio
             *(["_check_state_layouts"] if features.state_layouts else []),
             *(["_check_state_sharding"] if features.dtensors else []),
         ],
+        mutated_inputs=bool(conv.mutated_inputs),
+        sparse_gradients=conv.sparse_gradients,
     )
 
 
@@ -361,6 +367,11 @@ class GraphFeatures:
     # Per graph input: (Inductor's name for it, where it has one,) its name and what
     # it is; a header row first.
     input_rows: list[list[str]]
+    # The graph's own records the graph templates write out as they are.
+    tensor_literals: list[TensorLiteral]
+    positional_names: list[str]
+    emulate_precision_casts: bool
+    branches: list[str]
 
 
 def graph_features(cap: CaptureResult) -> GraphFeatures:
@@ -408,6 +419,10 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
         call_docstring=_call_docstring(cap),
         call_comment=_call_comment(cap),
         input_rows=input_rows,
+        tensor_literals=graph.tensor_literals,
+        positional_names=graph.positional_names,
+        emulate_precision_casts=graph.emulate_precision_casts,
+        branches=graph.branches,
     )
 
 
@@ -450,8 +465,9 @@ def _metadata_drawings(cap: CaptureResult) -> dict[str, list[str]]:
     inputs as a table, and the specs as treespec_pprint draws them."""
     convention = cap.convention
     drawings = {"OUT_SPEC": [f"# OUT_SPEC: {comment_text(convention.out_structure)}"]}
-    if convention.in_structure is not None:
-        drawings["IN_SPEC"] = [f"# IN_SPEC: {comment_text(convention.in_structure)}"]
+    if convention.in_tree.structure is not None:
+        structure = comment_text(convention.in_tree.structure)
+        drawings["IN_SPEC"] = [f"# IN_SPEC: {structure}"]
     rows = _tensor_rows(cap)
     if len(rows) > 1:
         drawings["PARAM_NAMES"] = [
@@ -543,7 +559,7 @@ def _tensor_rows(cap: CaptureResult) -> list[list[str]]:
     state = [*conv.params, *conv.buffers]
     num_state = len(state)
     num_inputs = num_state + len(conv.leaves)
-    strides = input_strides(cap)
+    strides = cap.graph.input_strides
     return [
         ["input", "name", "shape", "stride", "dtype", "device", "requires grad"],
         *(
@@ -619,36 +635,6 @@ def _tuple_text(values: tuple[object, ...]) -> str:
     return "(" + ", ".join(map(str, values)) + ("," if len(values) == 1 else "") + ")"
 
 
-def _holds_dicts(in_spec: str | None) -> bool:
-    """Whether ``in_spec`` (``treespec_dumps``' JSON) has a dict node anywhere, as
-    the runtime's TreeSpec of it would."""
-    if in_spec is None:
-        return False
-    _, root = json.loads(in_spec)
-    nodes = [root]
-    while nodes:
-        node = nodes.pop()
-        if node.get("type") == "builtins.dict":
-            return True
-        nodes += node.get("children_spec", [])
-    return False
-
-
-def _flat_tuple_of_leaves(in_spec: str | None, count: int) -> bool:
-    """Whether ``in_spec`` is a tuple of ``count`` leaves (the arguments themselves)."""
-    if in_spec is None:
-        return False
-    try:
-        _, spec = json.loads(in_spec)
-    except ValueError:
-        return False
-    leaf = {"type": None, "context": None, "children_spec": []}
-    return (
-        spec.get("type") == "builtins.tuple"
-        and spec.get("children_spec") == [leaf] * count
-    )
-
-
 # Where each section the header names starts: the text ending the line before it (a
 # title's rule, ``section_title``), and whether that is before the compiled graph.
 _SECTION_STARTS = {
@@ -660,30 +646,100 @@ _SECTION_STARTS = {
 }
 
 
+def _check_strides(cap: CaptureResult) -> None:
+    """A capture's strides belong to its records one to one (a hand-built
+    ``CaptureResult`` may not)."""
+    conv = cap.convention
+    records = [
+        ("parameters", "parameter", len(conv.params)),
+        ("buffers", "buffer", len(conv.buffers)),
+        ("input leaves", "input leaf", len(conv.leaves)),
+        (
+            "optimizer state tensors",
+            "optimizer state tensor",
+            sum(len(optimizer.state) for optimizer in conv.optimizers),
+        ),
+    ]
+    for (what, each, count), strides in zip(
+        records, cap.graph.input_strides, strict=True
+    ):
+        if len(strides) != count:
+            raise ValueError(
+                f"the CompiledGraph's input_strides hold {len(strides)} strides for "
+                f"its {what}, but its convention has {count}: one per {each}."
+            )
+
+
+@dataclass(frozen=True)
+class HeaderPlan:
+    """What the header says of this capture."""
+
+    fn_name: str
+    backend: str
+    # Each input's memory layout is held to the example's (the compiled graph's
+    # kernels specialise on it).
+    layouts: bool
+    value_branches: list[str]
+
+
+@dataclass(frozen=True)
+class ArtifactPlan:
+    """Everything the templates read to write one artifact, and all they read: the
+    header, the graph section's template and facts, the metadata constants, the
+    driver's template, features and text, and the runtime support."""
+
+    header: HeaderPlan
+    graph_template: str
+    graph: GraphFeatures
+    metadata: list[MetadataEntry]
+    driver_template: str
+    features: DriverFeatures
+    driver: DriverSection
+    runtime_title: str
+    runtime_support: str
+    # Placeholders the renderer replaces: the compiled graph, the sections' lines.
+    graph_marker: str
+    section_lines: dict[str, str]
+
+
+def artifact_plan(cap: CaptureResult) -> ArtifactPlan:
+    """The plan of ``cap``'s artifact."""
+    _check_strides(cap)
+    features = driver_features(cap)
+    parts = runtime_parts(features)
+    support = runtime_support(parts)
+    conv = cap.convention
+    return ArtifactPlan(
+        header=HeaderPlan(
+            fn_name=conv.fn_name,
+            backend=cap.backend,
+            layouts=features.compiled,
+            value_branches=conv.value_branches,
+        ),
+        graph_template=f"{cap.backend}_graph.py.j2",
+        graph=graph_features(cap),
+        metadata=metadata_entries(cap),
+        driver_template=f"{cap.backend}_driver.py.j2",
+        features=features,
+        driver=driver_section(cap, features),
+        runtime_title=runtime_title(parts, support),
+        runtime_support=support,
+        graph_marker=GRAPH_MARKER,
+        section_lines={name: f"@{name}@" for name in _SECTION_STARTS},
+    )
+
+
 def render_skeleton(cap: CaptureResult) -> str:
     """The artifact's text with ``GRAPH_MARKER`` where the compiled graph goes.
 
     The templates emit black-formatted code, so the skeleton is final as rendered
     (tests check that black leaves it unchanged).
     """
-    features = driver_features(cap)
-    parts = runtime_parts(features)
-    support = runtime_support(parts)
+    plan = artifact_plan(cap)
     skeleton = (
         environment()
         .get_template("artifact.py.j2")
-        .render(
-            cap=cap,
-            metadata=metadata_entries(cap),
-            features=features,
-            convention=cap.convention,
-            driver=driver_section(cap, features),
-            graph=graph_features(cap),
-            graph_marker=GRAPH_MARKER,
-            section_lines={name: f"@{name}@" for name in _SECTION_STARTS},
-            runtime_support=support,
-            runtime_title=runtime_title(parts, support),
-        )
+        .render({field.name: getattr(plan, field.name) for field in fields(plan)})
     )
     if skeleton.count(GRAPH_MARKER) != 1:
         raise RuntimeError("artifact.py.j2 must place the graph marker exactly once")

@@ -25,6 +25,8 @@ from precompile_gen.capture_result import (
     ImportRewrite,
     IndexCheck,
     InputLeaf,
+    InputStrides,
+    InputTree,
     KernelPayload,
     ModuleArgument,
     OptimizerArgument,
@@ -153,8 +155,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
             global_module_hooks={},
             params=[StateTensor("weight", (4, 4), "torch.float32", "cpu", True)],
             buffers=[StateTensor("running_mean", (4,), "torch.float32", "cpu", False)],
-            in_spec=_INPUT_SPEC,
-            in_structure="(*,)",
+            in_tree=InputTree(_INPUT_SPEC, "(*,)", flat=True),
             leaves=[
                 InputLeaf(
                     shape=(None, 4),
@@ -180,7 +181,7 @@ def stub_capture(backend: Backend) -> CaptureResult:
             tensor_literals=[
                 TensorLiteral("literal0", [0.5, float("-inf")], "torch.float32", "cpu")
             ],
-            input_strides=[(4, 1), (1,), None],
+            input_strides=InputStrides([(4, 1)], [(1,)], [None], []),
             imports=_EAGER_GRAPH_IMPORTS if eager else [],
             branches=["true_graph_0"] if eager else [],
             rewritten_imports=[] if eager else _REWRITTEN_IMPORTS,
@@ -249,8 +250,9 @@ def all_features_capture(backend: Backend) -> CaptureResult:
             ),
         ],
         input_names=_ALL_FEATURES_INPUT_NAMES,
-        in_spec=_NESTED_INPUT_SPEC,
-        in_structure="(*, {'x': *, 'scale': *})",
+        in_tree=InputTree(
+            _NESTED_INPUT_SPEC, "(*, {'x': *, 'scale': *})", holds_dicts=True
+        ),
         pytree_types=["inspect:FullArgSpec"],
         mutated_inputs=[1, 3],
         sparse_gradients=SparseGradients(
@@ -306,7 +308,7 @@ def _all_features_graph(graph: CompiledGraph) -> CompiledGraph:
     # strides: the state, the leaves (one in a fixed layout), the momentum buffer.
     return dataclasses.replace(
         graph,
-        input_strides=[(4, 1), (1,), None, (4, 1), None, (4, 1)],
+        input_strides=InputStrides([(4, 1)], [(1,)], [None, (4, 1), None], [(4, 1)]),
         positional_names=[],
     )
 
@@ -361,7 +363,7 @@ def no_features_capture(backend: Backend) -> CaptureResult:
     graph = dataclasses.replace(
         stub.graph,
         tensor_literals=[],
-        input_strides=[None, None, None],
+        input_strides=InputStrides([None], [None], [None], []),
         branches=[],
         positional_names=[] if backend == "eager" else _positional_names(3),
     )

@@ -45,7 +45,7 @@ def test_a_capture_without_features_emits_only_the_required_constants(
 ) -> None:
     code = pg.render_artifact(no_features_capture(backend))
     assert [name for name, _ in section_two(code)] == list(metadata.REQUIRED_NAMES)
-    parsed = pg.parse_metadata(code)
+    parsed: dict[str, object] = dict(pg.parse_metadata(code))
     for name, default in metadata.OPTIONAL_METADATA.items():
         assert parsed[name] == default, name
 

@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 from helpers.golden import CASES
 
 import precompile_gen as pg
-from precompile_gen.capture_result import Backend, InputLeaf, StateTensor
+from precompile_gen.capture_result import Backend, InputLeaf, InputStrides, StateTensor
+from precompile_gen.capturing.trace import input_tree
 from precompile_gen.codegen.layout import assignment, format_python
 from precompile_gen.codegen.render import (
     GRAPH_MARKER,
@@ -54,7 +55,7 @@ def large_capture(backend: Backend) -> pg.CaptureResult:
     graph = dataclasses.replace(
         stub.graph,
         # The state's, the buffer's, then the three leaves'.
-        input_strides=[*[(16, 1)] * count, (1,), None, None, None],
+        input_strides=InputStrides([(16, 1)] * count, [(1,)], [None, None, None], []),
         positional_names=[f"arg{i}_1" for i in range(len(input_names))]
         if backend == "inductor"
         else [],
@@ -227,12 +228,11 @@ def test_metadata_constants_come_from_the_records_in_emission_order() -> None:
     conv = cap.convention
     assert constants["PARAM_NAMES"] == [param.name for param in conv.params]
     assert constants["USER_INPUT_SYMBOLS"] == [leaf.symbols for leaf in conv.leaves]
-    # The strides are the graph's, split by the records they belong to.
-    assert [
-        *constants["PARAM_STRIDES"],  # type: ignore[not-iterable]
-        *constants["BUFFER_STRIDES"],  # type: ignore[not-iterable]
-        *constants["USER_INPUT_STRIDES"],  # type: ignore[not-iterable]
-    ] == cap.graph.input_strides
+    # The strides are the graph's, by the records they belong to.
+    strides = cap.graph.input_strides
+    assert constants["PARAM_STRIDES"] == strides.params
+    assert constants["BUFFER_STRIDES"] == strides.buffers
+    assert constants["USER_INPUT_STRIDES"] == strides.leaves
 
 
 def _holds_dicts(spec: pytree.TreeSpec) -> bool:
@@ -241,20 +241,24 @@ def _holds_dicts(spec: pytree.TreeSpec) -> bool:
 
 
 @pytest.mark.parametrize(
-    "inputs",
+    ("inputs", "flat"),
     [
-        (torch.ones(1),),
-        ({"a": torch.ones(1)},),
-        (torch.ones(1), [torch.ones(1), {"b": torch.ones(1)}]),
-        (OrderedDict(a=torch.ones(1)),),
-        ((torch.ones(1), (torch.ones(1),)),),
+        ((torch.ones(1),), True),
+        ((torch.ones(1), torch.ones(2)), True),
+        (({"a": torch.ones(1)},), False),
+        ((torch.ones(1), [torch.ones(1), {"b": torch.ones(1)}]), False),
+        ((OrderedDict(a=torch.ones(1)),), False),
+        (((torch.ones(1), (torch.ones(1),)),), False),
     ],
 )
 def test_the_dict_inputs_part_is_carried_exactly_where_the_inputs_hold_dicts(
-    inputs: tuple[object, ...],
+    inputs: tuple[object, ...], flat: bool
 ) -> None:
-    # The renderer reads the serialised spec; the artifact's TreeSpec must agree.
-    spec = pytree.tree_flatten(inputs)[1]
-    cap = replace_convention(stub_capture("eager"), in_spec=pytree.treespec_dumps(spec))
+    # The trace records what the tree holds; the artifact's TreeSpec, read back from
+    # IN_SPEC, must agree.
+    tree = input_tree(pytree.tree_flatten(inputs)[1], len(inputs))
+    assert tree.flat == flat
+    cap = replace_convention(stub_capture("eager"), in_tree=tree)
     carried = "dict_inputs" in runtime_parts(driver_features(cap))
-    assert carried == _holds_dicts(spec)
+    assert tree.spec is not None
+    assert carried == _holds_dicts(pytree.treespec_loads(tree.spec))

@@ -26,6 +26,8 @@ from precompile_gen.capture_result import (
     CallConvention,
     CompiledGraph,
     InputLeaf,
+    InputStrides,
+    InputTree,
     KernelPayload,
     ModuleArgument,
     StateTensor,
@@ -183,11 +185,12 @@ def _canned_inductor(
                 for name, shape, _ in weights
             ],
             buffers=[],
-            in_spec=(
+            in_tree=InputTree(
                 '[1, {"type": "builtins.tuple", "context": "null", "children_spec": '
-                f"[{_LEAF}]}}]"
+                f"[{_LEAF}]}}]",
+                "(*,)",
+                flat=True,
             ),
-            in_structure="(*,)",
             leaves=[_input_leaf((3, 4))],
             input_names=input_names,
             aliased_inputs=[],
@@ -204,7 +207,9 @@ def _canned_inductor(
             source=inductor_module.unpacked_one_per_line(source),
             tensor_literals=[],
             # Every weight's, and the (3, 4) input's.
-            input_strides=[stride for _, _, stride in weights] + [(4, 1)],
+            input_strides=InputStrides(
+                [stride for _, _, stride in weights], [], [(4, 1)], []
+            ),
             imports=[],
             branches=[],
             rewritten_imports=rewritten_imports,
@@ -315,7 +320,7 @@ def inductor_dynamic_dims() -> pg.CaptureResult:
     )
     # A leaf with a dynamic dim comes in any layout.
     graph = dataclasses.replace(
-        cap.graph, input_strides=[*cap.graph.input_strides[:-1], None]
+        cap.graph, input_strides=cap.graph.input_strides._replace(leaves=[None])
     )
     return replace_convention(dataclasses.replace(cap, graph=graph), leaves=[leaf])
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 import precompile_gen as pg
-from precompile_gen.capture_result import InputLeaf, ModuleArgument, StateTensor
+from precompile_gen.capture_result import (
+    InputLeaf,
+    InputStrides,
+    ModuleArgument,
+    StateTensor,
+)
 from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 
@@ -16,7 +21,8 @@ def hand_built_capture() -> pg.CaptureResult:
     stub = stub_capture("eager")
     # The strides: the two parameters', the buffer's, then the two leaves'.
     graph = dataclasses.replace(
-        stub.graph, input_strides=[(4, 1), (1,), (1,), None, None]
+        stub.graph,
+        input_strides=InputStrides([(4, 1), (1,)], [(1,)], [None, None], []),
     )
     return replace_convention(
         dataclasses.replace(stub, graph=graph),

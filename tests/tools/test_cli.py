@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers.golden import full_artifact
 
-from precompile_gen.capture_result import InputLeaf
+from precompile_gen.capture_result import InputLeaf, InputStrides, InputTree
 from precompile_gen.codegen.render import render_artifact
 from precompile_gen.codegen.sections import sections_by_key
 from precompile_gen.codegen.stubs import replace_convention, stub_capture
@@ -395,7 +395,9 @@ def call(flat_inputs):
 def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
     stub = stub_capture("inductor")
     graph = dataclasses.replace(
-        stub.graph, input_strides=[(4, 1), (1,), None, None], positional_names=[]
+        stub.graph,
+        input_strides=InputStrides([(4, 1)], [(1,)], [None, None], []),
+        positional_names=[],
     )
     cap = replace_convention(
         dataclasses.replace(stub, graph=graph),
@@ -406,7 +408,7 @@ def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
                 (None,), "torch.int64", "cpu", {0: (None, None)}, {0: "u0"}, None
             ),
         ],
-        in_spec=None,
+        in_tree=InputTree(None, None),
     )
     report = inspect_artifact(render_artifact(cap))
     first, second = report["user_inputs"]["leaves"]
