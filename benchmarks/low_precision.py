@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import precompile_gen as pg
-from precompile_gen.capturing import lower
+from precompile_gen.lowering import lower
 
 STEPS = 3
 ROUNDS = 30

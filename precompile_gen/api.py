@@ -8,9 +8,9 @@ from typing import Any
 
 from precompile_gen.capture_result import CaptureResult
 from precompile_gen.capturing import global_modes
-from precompile_gen.capturing.lower import lower
 from precompile_gen.capturing.trace import check_arguments, function_name, trace
 from precompile_gen.codegen.render import render_artifact
+from precompile_gen.lowering.lower import lower
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import build_cache, check_key
 from precompile_gen.runtime.files import check_pair_paths, write_pair

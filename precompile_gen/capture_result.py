@@ -270,7 +270,7 @@ class TensorLiteral(NamedTuple):
 
 class ImportRewrite(NamedTuple):
     """One import line of Inductor's module that lowering rewrote
-    (``codegen.inductor_imports``)."""
+    (``lowering.inductor_imports``)."""
 
     original: str
     # What replaces it ("" where it is dropped).

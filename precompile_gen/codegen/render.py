@@ -31,7 +31,6 @@ from precompile_gen.capture_result import (
     StateTensor,
     TensorLiteral,
 )
-from precompile_gen.codegen import inductor_imports
 from precompile_gen.codegen.layout import (
     assignment,
     columns,
@@ -42,6 +41,7 @@ from precompile_gen.codegen.layout import (
     section_rule,
     statement_blocks,
 )
+from precompile_gen.lowering import inductor_imports
 from precompile_gen.metadata import emitted, metadata_constants
 
 # A comment line, which black leaves alone at module level; replaced by the graph.
@@ -338,7 +338,7 @@ def _identifier_text(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class GraphFeatures:
+class GraphSection:
     """What the graph section of a capture holds, and the tables that name the
     graph's inputs: the facts the graph and metadata templates branch on, read from
     the capture here rather than from text in the templates."""
@@ -374,7 +374,7 @@ class GraphFeatures:
     branches: list[str]
 
 
-def graph_features(cap: CaptureResult) -> GraphFeatures:
+def graph_section(cap: CaptureResult) -> GraphSection:
     graph = cap.graph
     rewritten = [
         rewrite
@@ -399,7 +399,7 @@ def graph_features(cap: CaptureResult) -> GraphFeatures:
         input_rows = [["input", "what"]] + [
             list(row) for row in zip(names, roles, strict=True)
         ]
-    return GraphFeatures(
+    return GraphSection(
         import_blocks=statement_blocks(graph.imports),
         rewritten_imports=rewritten,
         async_compile="_AsyncCompile" in stand_ins,
@@ -690,7 +690,7 @@ class ArtifactPlan:
 
     header: HeaderPlan
     graph_template: str
-    graph: GraphFeatures
+    graph: GraphSection
     metadata: list[MetadataEntry]
     driver_template: str
     features: DriverFeatures
@@ -717,7 +717,7 @@ def artifact_plan(cap: CaptureResult) -> ArtifactPlan:
             value_branches=conv.value_branches,
         ),
         graph_template=f"{cap.backend}_graph.py.j2",
-        graph=graph_features(cap),
+        graph=graph_section(cap),
         metadata=metadata_entries(cap),
         driver_template=f"{cap.backend}_driver.py.j2",
         features=features,

@@ -39,9 +39,9 @@ from precompile_gen.capture_result import (
     StateTensor,
     TensorLiteral,
 )
-from precompile_gen.codegen import inductor_imports
 from precompile_gen.codegen.layout import format_python
 from precompile_gen.codegen.render import render_artifact
+from precompile_gen.lowering import inductor_imports
 
 # Typed stand-ins for the spliced graph, which is the only part not from a template.
 _GRAPH_STUBS: dict[Backend, str] = {

@@ -163,7 +163,7 @@ def _compiled_triton(
     """The files of each compiled Triton kernel the module bound in ``namespace``
     (``sources``: each one's name and source), by payload name, and ``toolchain``
     with what built them."""
-    from precompile_gen.capturing import kernel_builds
+    from precompile_gen.lowering import kernel_builds
 
     built = {name: (namespace.get(name), source) for name, source in sources.items()}
     kernel_builds.record_triton_sources(built)
@@ -183,7 +183,7 @@ def triton_files(kernels: Iterable[object]) -> dict[str, bytes]:
     # The scan runs at capture, which has Triton's compiler.
     from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
 
-    from precompile_gen.capturing import kernel_builds
+    from precompile_gen.lowering import kernel_builds
 
     files: dict[str, bytes] = {}
     for kernel in kernels:

@@ -2,7 +2,7 @@
 fresh folder, and check each binary the cache carries against the artifact's pins.
 
 The capture built each kernel to the same bytes wherever its cache folder was
-(``capturing/kernel_builds.py``), so a second party with the same toolchain gets
+(``lowering/kernel_builds.py``), so a second party with the same toolchain gets
 the pinned bytes: a cache whose binary is not what the kernel's source in the
 artifact compiles to is caught even where its digest was pinned with it. C++
 kernels are built as lowering built them; Triton kernels as Inductor's compile
@@ -242,7 +242,7 @@ def _rebuild_here(request: dict[str, Any]) -> dict[str, Any]:
     """In the child: compile each kernel as the capture did, and what each built."""
     from torch._inductor import config
 
-    from precompile_gen.capturing import kernel_builds
+    from precompile_gen.lowering import kernel_builds
 
     with kernel_builds.reproducible(), config.patch(compile_threads=1):
         cpp = _rebuild_cpp([(list(a), s) for a, s in request["cpp"]])
@@ -299,7 +299,7 @@ def _rebuild_triton(name: str, source: str) -> dict[str, Any]:
     """Triton kernel ``name`` built as the capture built it, for the target its
     source names: the files its cache folders hold, by payload name, with their
     sha256 (and, under "built", their bytes, for the toolchain they record)."""
-    from precompile_gen.capturing import kernel_builds
+    from precompile_gen.lowering import kernel_builds
     from precompile_gen.runtime import kernel_binaries
 
     try:

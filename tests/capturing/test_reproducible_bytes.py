@@ -2,7 +2,7 @@
 wherever torch is installed: no path of the capturing machine in the artifact's text
 (no cache folder, home or temporary folder), and kernel binaries without the paths
 gcc's line tables, ``__FILE__`` and the sources' names would write into them
-(``capturing/kernel_builds.py``). Each capture runs in a process of its own, with a
+(``lowering/kernel_builds.py``). Each capture runs in a process of its own, with a
 cache folder of its own, so that each compiles its kernels: C++ kernels, and Triton
 kernels under Triton's interpreter. The second finds torch in another folder."""
 

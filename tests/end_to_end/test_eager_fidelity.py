@@ -22,8 +22,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import functional as F
 
 import precompile_gen as pg
-from precompile_gen.capturing import lower
 from precompile_gen.capturing.trace import trace
+from precompile_gen.lowering import lower
 
 BACKENDS = ["eager", "inductor"]
 # float64 steps agree with eager to its own rounding, not float32's.

@@ -18,7 +18,7 @@ from helpers.processes import env_with_helpers
 
 import precompile_gen as pg
 from precompile_gen import testing
-from precompile_gen.capturing import lower
+from precompile_gen.lowering import lower
 from precompile_gen.tools import verify
 
 HERE = Path(__file__).parent

@@ -32,10 +32,10 @@ from precompile_gen.capture_result import (
     ModuleArgument,
     StateTensor,
 )
-from precompile_gen.capturing import lower
-from precompile_gen.codegen import inductor_imports, inductor_module, render
+from precompile_gen.codegen import render
 from precompile_gen.codegen.sections import sections_by_key
 from precompile_gen.codegen.stubs import replace_convention
+from precompile_gen.lowering import inductor_imports, inductor_module, lower
 from precompile_gen.runtime import kernel_binaries
 
 TESTS_DIR = Path(__file__).resolve().parent.parent

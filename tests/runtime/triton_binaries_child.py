@@ -28,7 +28,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from precompile_gen.capturing import kernel_builds
+from precompile_gen.lowering import kernel_builds
 from precompile_gen.runtime import kernel_binaries
 
 NAME = "add_one"

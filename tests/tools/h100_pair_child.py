@@ -23,7 +23,7 @@ from pathlib import Path
 from torch._inductor.codecache import _load_triton_kernel_from_source
 from torch._inductor.runtime.compile_tasks import _worker_compile_triton
 
-from precompile_gen.capturing import kernel_builds
+from precompile_gen.lowering import kernel_builds
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import build_cache
 from precompile_gen.runtime.load import parse_artifact

@@ -29,14 +29,10 @@ from precompile_gen.capture_result import (
     KernelPayload,
     TensorLiteral,
 )
-from precompile_gen.capturing import (
-    data_parallel,
-    graph_names,
-    kernel_builds,
-    update_order,
-)
+from precompile_gen.capturing import data_parallel, graph_names, update_order
 from precompile_gen.capturing.trace import TracedGraph
-from precompile_gen.codegen import inductor_imports, inductor_module, layout
+from precompile_gen.codegen import layout
+from precompile_gen.lowering import inductor_imports, inductor_module, kernel_builds
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.errors import PrecompileError
 from precompile_gen.tools import timings
@@ -129,14 +125,6 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
     )
 
 
-# With size_asserts, Inductor's wrapper checks the layout of each input a kernel
-# reads, just before that kernel: ``assert_size_stride(arg3_1, ...)`` or
-# ``assert_size_stride_grouped((arg1_1, ...),``.
-_ASSERTED_INPUTS = re.compile(
-    r"assert_size_stride\((arg\d+_1),|assert_size_stride_grouped\(\(([^)]*)\)"
-)
-
-
 def _layout_dependent(
     strides: InputStrides, graph: _LoweredGraph, mutated_inputs: list[int]
 ) -> InputStrides:
@@ -149,9 +137,7 @@ def _layout_dependent(
     names = graph.positional_names
     if not names:
         return strides
-    asserted = set()
-    for single, grouped in _ASSERTED_INPUTS.findall(graph.source):
-        asserted.update([single] if single else grouped.split(", "))
+    asserted = inductor_module.asserted_inputs(graph.source)
     return strides.replaced(
         [
             stride
@@ -328,7 +314,7 @@ def _quiet_cuda_home_guess() -> Generator[None]:
 
 def _inductor_options(traced: TracedGraph) -> dict[str, object]:
     # Imports Inductor, which a capture for the eager backend need not.
-    from precompile_gen.capturing import recompute
+    from precompile_gen.lowering import recompute
 
     # size_asserts bakes every input's layout into assert_size_stride, which the
     # driver turns into a clear error; the user's ambient config must not remove it.

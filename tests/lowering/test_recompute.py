@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from precompile_gen.capturing import recompute
+from precompile_gen.lowering import recompute
 
 # More ops than the pass's smallest gap between a tensor's readers.
 GAP = 60

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import precompile_gen as pg
-from precompile_gen.codegen import inductor_imports
+from precompile_gen.lowering import inductor_imports
 
 # As Inductor writes it with config.triton.autotune_at_compile_time: code in a string.
 _AUTOTUNING_BLOCK = (

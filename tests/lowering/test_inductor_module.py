@@ -12,7 +12,8 @@ from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.capture_result import KernelEntry
-from precompile_gen.codegen import inductor_module, layout
+from precompile_gen.codegen import layout
+from precompile_gen.lowering import inductor_module
 
 
 def test_the_kernels_of_a_module_of_triton_kernels() -> None:
@@ -93,6 +94,18 @@ def test_the_inputs_names_and_the_redefined_call_are_read_from_the_module() -> N
     inner = source[: source.index("_inner_call = call")]
     assert not inductor_module.redefines_call(inner)
     assert inductor_module.unpacked_inputs("def call(args):\n    pass\n") == []
+
+
+def test_the_inputs_whose_layout_the_module_asserts_are_read_from_it() -> None:
+    # A training step with AdamW inside: single and grouped asserts, over every input.
+    source = (FIXTURE_DIR / "inductor_triton_adamw_step_graph.txt").read_text("utf-8")
+    asserted = inductor_module.asserted_inputs(source)
+    assert {"arg7_1", "arg1_1", "arg6_1", "arg0_1", "arg26_1", "arg8_1"} <= asserted
+    assert asserted == set(inductor_module.unpacked_inputs(source))
+    # An inference MLP: two grouped asserts.
+    mlp = (FIXTURE_DIR / "inductor_mlp_graph.txt").read_text("utf-8")
+    assert inductor_module.asserted_inputs(mlp) == {f"arg{i}_1" for i in range(5)}
+    assert inductor_module.asserted_inputs("def call(args):\n    pass\n") == set()
 
 
 def test_a_kernels_file_is_named_within_the_cache_folder() -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from precompile_gen.capturing import lower
+from precompile_gen.lowering import lower
 
 GUESS = "No CUDA runtime is found, using CUDA_HOME='%s'"
 
