@@ -5,12 +5,13 @@ annotation the artifact writes, the comment above it, where its value comes from
 (a function of the capture's records) and, for a constant only some captures
 emit, the value its absence means. Everything else follows from that one table:
 
-- the template (``templates/metadata.py.j2``) renders ``metadata_entries``;
+- section 2 of the artifact: ``templates/metadata.py.j2`` renders the entries
+  ``codegen.render.metadata_entries`` makes of it;
 - ``parse_metadata`` requires ``REQUIRED_NAMES`` and fills ``OPTIONAL_METADATA``;
-- ``templates/runtime/declarations.py`` (which the runtime support's parts are
-  checked against) and ``precompile_gen/runtime/metadata_types.py`` (the type of what
-  ``parse_metadata`` returns, which ``inspect`` reads) are generated from it by
-  ``scripts/regenerate.py`` (``declaration_lines``, ``typed_dict_lines``).
+- ``precompile_gen/runtime_support/declarations.py`` (which the runtime support's
+  parts are checked against) and ``precompile_gen/runtime/metadata_types.py`` (the
+  type of what ``parse_metadata`` returns, which ``inspect`` reads) are written from
+  it by ``scripts/regenerate.py`` (``declarations``, ``typed_dict``).
 """
 
 from __future__ import annotations
@@ -498,7 +499,7 @@ def emitted(constants: dict[str, object]) -> list[Constant]:
 # --- Generated files --------------------------------------------------------------
 # Both declare every constant with its annotation; scripts/regenerate.py writes them
 # (and --check compares them) from this table.
-DECLARATIONS = Path("templates/runtime/declarations.py")
+DECLARATIONS = Path("precompile_gen/runtime_support/declarations.py")
 _DECLARATIONS_BEGIN = "# Section 2: the calling-convention metadata"
 _DECLARATIONS_END = "\n\n"
 TYPES = Path("precompile_gen/runtime/metadata_types.py")

@@ -5,7 +5,7 @@
 
 The files, in order, since each is made from the one before:
 
-0. templates/runtime/declarations.py (its section 2 block) and
+0. precompile_gen/runtime_support/declarations.py (its section 2 block) and
    precompile_gen/runtime/metadata_types.py: the metadata constants' declarations,
    from the table in precompile_gen/metadata.py.
 1. tests/fixtures/inductor_mlp_graph.txt: the canned Inductor module the inductor

@@ -58,30 +58,35 @@ def template_dir() -> Path:
     return package.parent / "templates"
 
 
-# The code every artifact of this version carries verbatim, as its last section: plain
-# modules that ruff and pyrefly check as they are, read through the templates' loader
-# (an installed wheel's copy, like every template) and never rendered. The base part
-# is in every artifact; a feature's part follows it, in this order, in the artifacts
-# with that feature, from its first heading line on (above it, imports of the names
-# it reads from the rest of the artifact, for checking it as a module), so each
-# combination of parts is one known text.
-RUNTIME_SUPPORT = "runtime/support.py"
-RUNTIME_PARTS: dict[str, str] = {
-    "support": RUNTIME_SUPPORT,
-    "pytree_types": "runtime/pytree_types.py",
-    "gradients": "runtime/gradients.py",
-    "dict_inputs": "runtime/dict_inputs.py",
-    "calls": "runtime/calls.py",
-    "dtensors": "runtime/dtensors.py",
-    "layouts": "runtime/layouts.py",
-    "index_checks": "runtime/index_checks.py",
-    "deferred_steps": "runtime/deferred_steps.py",
-    "skipped_steps": "runtime/skipped_steps.py",
-    "optimizers": "runtime/optimizers.py",
-    "process_groups": "runtime/process_groups.py",
-    "captured_graph": "runtime/captured_graph.py",
-    "compiled_graph": "runtime/compiled_graph.py",
-}
+def runtime_support_dir() -> Path:
+    """Where the runtime support's parts are: the ``precompile_gen.runtime_support``
+    package, wherever it is installed."""
+    return Path(__file__).parents[1] / "runtime_support"
+
+
+# The code every artifact of this version carries verbatim, as its last section: the
+# modules of ``precompile_gen.runtime_support``, which ruff and pyrefly check as they
+# are, read as text and never rendered. The base part is in every artifact; a
+# feature's part follows it, in this order, in the artifacts with that feature, from
+# its first heading line on (above it, imports of the names it reads from the rest of
+# the artifact, for checking it as a module), so each combination of parts is one
+# known text.
+RUNTIME_PARTS: tuple[str, ...] = (
+    "support",
+    "pytree_types",
+    "gradients",
+    "dict_inputs",
+    "calls",
+    "dtensors",
+    "layouts",
+    "index_checks",
+    "deferred_steps",
+    "skipped_steps",
+    "optimizers",
+    "process_groups",
+    "captured_graph",
+    "compiled_graph",
+)
 # The parts that read no metadata when executed: capture and inspect run them.
 CONVENTION_PARTS = ("support", "pytree_types", "gradients")
 _PART_HEADING = "\n# --- "
@@ -114,11 +119,9 @@ def runtime_parts(features: DriverFeatures) -> tuple[str, ...]:
 def runtime_support(parts: tuple[str, ...] = ("support",)) -> str:
     """The runtime support's text, as every artifact of this version with these
     parts carries it."""
-    env = environment()
-    assert env.loader is not None
     texts = []
     for part in parts:
-        source, _, _ = env.loader.get_source(env, RUNTIME_PARTS[part])
+        source = (runtime_support_dir() / f"{part}.py").read_text(encoding="utf-8")
         if part != "support":
             source = source[source.index(_PART_HEADING) + 1 :]
         texts.append(source)

@@ -139,13 +139,13 @@ def captures() -> dict[str, pg.CaptureResult]:
 def edited_part(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[str]:
-    """Templates whose runtime support part has one more function, rendered from."""
+    """A runtime support whose part has one more function, rendered from."""
     part: str = request.param
-    templates = tmp_path / "templates"
-    shutil.copytree(render.template_dir(), templates)
-    source = templates / render.RUNTIME_PARTS[part]
+    parts = tmp_path / "runtime_support"
+    shutil.copytree(render.runtime_support_dir(), parts)
+    source = parts / f"{part}.py"
     source.write_text(source.read_text(encoding="utf-8") + EDIT, encoding="utf-8")
-    monkeypatch.setattr(render, "template_dir", lambda: templates)
+    monkeypatch.setattr(render, "runtime_support_dir", lambda: parts)
     render.environment.cache_clear()
     render.runtime_support.cache_clear()
     yield part

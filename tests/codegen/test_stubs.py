@@ -14,6 +14,7 @@ from precompile_gen.codegen.render import (
     DriverFeatures,
     driver_features,
     environment,
+    runtime_support_dir,
 )
 from precompile_gen.codegen.stubs import STUBS
 from precompile_gen.tools.cli import main
@@ -36,9 +37,7 @@ def test_stubs_cover_every_template() -> None:
     }
     backends = {f"{b}_{part}.py.j2" for b in BACKENDS for part in ("graph", "driver")}
     driver = {"driver/forward.py.j2", "driver/sparse_gradients.py.j2"}
-    # The names the parts read from the rest of the artifact, declared for checking.
-    runtime = {*RUNTIME_PARTS.values(), "runtime/declarations.py"}
-    assert set(environment().list_templates()) == shared | backends | driver | runtime
+    assert set(environment().list_templates()) == shared | backends | driver
 
 
 def test_backend_conditionals_live_only_in_the_backends_own_templates() -> None:
@@ -51,9 +50,9 @@ def test_backend_conditionals_live_only_in_the_backends_own_templates() -> None:
 
 def test_runtime_support_is_a_module_ruff_and_pyrefly_check() -> None:
     # No template logic: the text every artifact carries is the files', so the
-    # project's checks read them directly (pyproject includes templates/runtime).
-    for part in RUNTIME_PARTS.values():
-        source = REPO_ROOT / "templates" / part
+    # project's checks read them directly (they are precompile_gen's modules).
+    for part in RUNTIME_PARTS:
+        source = runtime_support_dir() / f"{part}.py"
         text = source.read_text(encoding="utf-8")
         assert "{{" not in text and "{%" not in text and "{#" not in text
         assert format_python(text) == text
@@ -133,8 +132,9 @@ def test_pyrefly_catches_a_type_error_in_a_stub(tmp_path: Path) -> None:
 
 
 def test_runtime_declarations_are_the_artifacts_names() -> None:
-    # The parts are checked against runtime/declarations.py; each name it declares
-    # must be what an artifact defines under that name, with the same annotation.
+    # The parts are checked against runtime_support/declarations.py; each name it
+    # declares must be what an artifact defines under that name, with the same
+    # annotation.
     import ast
 
     from precompile_gen import render_artifact
@@ -147,7 +147,7 @@ def test_runtime_declarations_are_the_artifacts_names() -> None:
         }
 
     declared = annotations(
-        (REPO_ROOT / "templates" / "runtime" / "declarations.py").read_text("utf-8")
+        (runtime_support_dir() / "declarations.py").read_text("utf-8")
     )
     defined: dict[str, str] = {}
     for backend in BACKENDS:

@@ -209,7 +209,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 1b47734f839b8b9015ff5bd76d0d72af536e4152579a5ee450fc70e324f384ec)
+# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 738aca2f8240dfe6326b1c90af78c3fea7f6f5a6dbd06881a417870be1a6f275)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -224,7 +224,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 48edc60e41a0b6c0a14ea73e5f307d526cadf19ab9c832f3de2a142a23555cad)
+# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 db2496c296de80ad5eb9c0828a79e65c863bb2ec22a228ed23156ecb4d03d070)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

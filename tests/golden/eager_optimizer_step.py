@@ -296,7 +296,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 bd0e1534a251469ef3470b610a959943f42ea01afd22192f8d2188b3226afa82)
+# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 040693f94bf64da30b127bc62372970983ad42737e303838eb6b26e375a99185)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -190,7 +190,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 c6c21b59a424d878265a0ceeff480eaa4900fa6a6ae855cb2907e41bd4d4ac9f)
+# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 2f7599e69ac86c94588340f71d8172ca5b59a79940c0648a87938ab01e458698)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -192,7 +192,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 6a4cc18f16cd3cf751a7c071b78651205da7b8af93e560ee6f4a63a3357b14ec)
+# 4. Runtime support: support + calls + captured_graph (sha256 63a719b272a1aa239019fa6061bec5d84e1984f584811d74d1a70967284645f4)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

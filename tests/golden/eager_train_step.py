@@ -205,7 +205,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + captured_graph (sha256 0179026006b194fdce484d4c3859dcc8ccebb287add418f719c08f9671a9196c)
+# 4. Runtime support: support + gradients + calls + captured_graph (sha256 ee904af4f66aa25aeb01bb7bf0b5ba45aef528f12824f8853411f24077d0dfb7)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

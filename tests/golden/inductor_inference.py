@@ -391,7 +391,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 1d17795d1e4376f7b5e1ca030473e5c83e60499a0f23c76be15850bb78cb0327)
+# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 681d76aa7e57670c7eef11d0c29022d020906ed7a0f5dc46738a6368a51d9430)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -1955,7 +1955,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 13377a8637ae82d18067a504b810d1ae4c5f570d5b4a3be449dd3b2b738fac5a)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 3c83885507466c20c0f94e790196dc0457bf821dec45032432a7e6d21381053b)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

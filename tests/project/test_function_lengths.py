@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("precompile_gen", "templates/runtime", "scripts", "benchmarks")
+FOLDERS = ("precompile_gen", "scripts", "benchmarks")
 MOST_LINES = 60
 
 

@@ -1,12 +1,12 @@
 # Runtime support: code that every artifact of this precompile_gen version carries
 # verbatim, whatever its capture: this base part, then the parts its capture needs
-# (templates/runtime/*.py, named in the section's title). Section 3 writes out the
-# capture's calling convention as data and lists its steps in forward(); the
-# functions here carry them out, reading the metadata constants (section 2) and
-# section 3's by name, as the functions of one module do. The section's title holds
-# this text's sha256, so a reviewer can tell it is the known text without reading it
-# again. This base part reads no metadata when it is executed, so that capture and
-# inspect run the same code (precompile_gen.codegen.convention).
+# (precompile_gen/runtime_support/*.py, named in the section's title). Section 3 writes
+# out the capture's calling convention as data and lists its steps in forward(); the
+# functions here carry them out, reading the metadata constants (section 2) and section
+# 3's by name, as the functions of one module do. The section's title holds this text's
+# sha256, so a reviewer can tell it is the known text without reading it again. This
+# base part reads no metadata when it is executed, so that capture and inspect run the
+# same code (precompile_gen.codegen.convention).
 import bisect
 import re
 import reprlib

@@ -1,10 +1,19 @@
 # Runtime support for a backward: carried after the base part
-# (templates/runtime/support.py) by every artifact whose graph computes gradients or
-# resets them, from its first "# ---" heading on. The lines above that heading are
-# not carried: they import what the rest of the artifact defines, so that ruff and
-# pyrefly check this part as a module of its own.
-from templates.runtime.declarations import GRAD_PARAM_INDICES, GRAD_RESETS
-from templates.runtime.support import _CheckedState, _fail
+# (precompile_gen/runtime_support/support.py) by every artifact whose graph computes
+# gradients or resets them, from its first "# ---" heading on. The lines above that
+# heading are not carried: they import what the rest of the artifact defines, so that
+# ruff and pyrefly check this part as a module of its own.
+from typing import TYPE_CHECKING
+
+from precompile_gen.runtime_support.support import _CheckedState, _fail
+
+if TYPE_CHECKING:
+    # Declared only: capture imports this part, which reads no metadata until the
+    # artifact's forward() runs.
+    from precompile_gen.runtime_support.declarations import (
+        GRAD_PARAM_INDICES,
+        GRAD_RESETS,
+    )
 
 # isort: split
 

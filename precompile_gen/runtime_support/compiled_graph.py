@@ -2,7 +2,11 @@
 # artifact, from its first "# ---" heading on. The lines above that heading are not
 # carried: they import what the base part defines, so that ruff and pyrefly check
 # this part as a module of its own.
-from templates.runtime.support import _fail, _forget_checks, _raise_refused_side
+from precompile_gen.runtime_support.support import (
+    _fail,
+    _forget_checks,
+    _raise_refused_side,
+)
 
 # isort: split
 

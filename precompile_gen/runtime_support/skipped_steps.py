@@ -3,10 +3,10 @@
 # before its step, from its first "# ---" heading on. The lines above that heading
 # are not carried: they import what the rest of the artifact defines, so that ruff
 # and pyrefly check this part as a module of its own.
-from templates.runtime.calls import _with_numbers
-from templates.runtime.declarations import GRAD_PARAM_INDICES, STEP_RESETS
-from templates.runtime.gradients import reset_grad
-from templates.runtime.support import _CheckedState
+from precompile_gen.runtime_support.calls import _with_numbers
+from precompile_gen.runtime_support.declarations import GRAD_PARAM_INDICES, STEP_RESETS
+from precompile_gen.runtime_support.gradients import reset_grad
+from precompile_gen.runtime_support.support import _CheckedState
 
 # isort: split
 

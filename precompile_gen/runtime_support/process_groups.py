@@ -1,12 +1,12 @@
 # Runtime support for collectives: carried after the calls part
-# (templates/runtime/calls.py) by every artifact whose graph communicates over
-# process groups, from its first "# ---" heading on. The lines above that heading
-# are not carried: they import what the rest of the artifact defines, so that ruff
-# and pyrefly check this part as a module of its own.
+# (precompile_gen/runtime_support/calls.py) by every artifact whose graph communicates
+# over process groups, from its first "# ---" heading on. The lines above that heading
+# are not carried: they import what the rest of the artifact defines, so that ruff and
+# pyrefly check this part as a module of its own.
 from typing import Any, cast
 
-from templates.runtime.declarations import ARGUMENT_NAMES
-from templates.runtime.support import _argument, _fail
+from precompile_gen.runtime_support.declarations import ARGUMENT_NAMES
+from precompile_gen.runtime_support.support import _argument, _fail
 
 # isort: split
 

@@ -1,12 +1,12 @@
 # Runtime support for dict inputs, which a call may pass with their keys in another
-# order: carried after the base part (templates/runtime/support.py) by every
-# artifact whose inputs hold dicts, from its first "# ---" heading on, before the
+# order: carried after the base part (precompile_gen/runtime_support/support.py) by
+# every artifact whose inputs hold dicts, from its first "# ---" heading on, before the
 # calls part, which takes it up. The lines above that heading are not carried: they
 # import what the other parts and the rest of the artifact define, so that ruff and
 # pyrefly check this part as a module of its own.
-from templates.runtime.calls import _IN_SPEC
-from templates.runtime.declarations import _USER_POSITIONS, ARGUMENT_NAMES
-from templates.runtime.support import _argument, _fail, _listed
+from precompile_gen.runtime_support.calls import _IN_SPEC
+from precompile_gen.runtime_support.declarations import _USER_POSITIONS, ARGUMENT_NAMES
+from precompile_gen.runtime_support.support import _argument, _fail, _listed
 
 # isort: split
 

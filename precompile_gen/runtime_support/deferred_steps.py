@@ -3,9 +3,13 @@
 # with sparse gradients, from its first "# ---" heading on. The lines above that
 # heading are not carried: they import what the rest of the artifact defines, so that
 # ruff and pyrefly check this part as a module of its own.
-from templates.runtime.calls import _STATE_NAMES
-from templates.runtime.declarations import _SIGNATURE, ARGUMENT_NAMES, DEFERRED_STEPS
-from templates.runtime.support import _argument, _fail
+from precompile_gen.runtime_support.calls import _STATE_NAMES
+from precompile_gen.runtime_support.declarations import (
+    _SIGNATURE,
+    ARGUMENT_NAMES,
+    DEFERRED_STEPS,
+)
+from precompile_gen.runtime_support.support import _argument, _fail
 
 # isort: split
 

@@ -1,11 +1,11 @@
 # Runtime support for index checks: carried after the calls part
-# (templates/runtime/calls.py) by every artifact whose graph indexes with values it
-# takes from the input leaves, from its first "# ---" heading on. The lines above that
-# heading are not carried: they import what the rest of the artifact defines, so that
-# ruff and pyrefly check this part as a module of its own.
-from templates.runtime.calls import _call_leaf_name
-from templates.runtime.declarations import INDEX_CHECKS
-from templates.runtime.support import PrecompileError
+# (precompile_gen/runtime_support/calls.py) by every artifact whose graph indexes with
+# values it takes from the input leaves, from its first "# ---" heading on. The lines
+# above that heading are not carried: they import what the rest of the artifact defines,
+# so that ruff and pyrefly check this part as a module of its own.
+from precompile_gen.runtime_support.calls import _call_leaf_name
+from precompile_gen.runtime_support.declarations import INDEX_CHECKS
+from precompile_gen.runtime_support.support import PrecompileError
 
 # isort: split
 

@@ -1,21 +1,21 @@
 # Runtime support for optimizer arguments: carried after the calls part
-# (templates/runtime/calls.py) by every artifact whose capture takes an optimizer,
-# from its first "# ---" heading on. The lines above that heading are not carried:
-# they import what the rest of the artifact defines, so that ruff and pyrefly check
-# this part as a module of its own.
+# (precompile_gen/runtime_support/calls.py) by every artifact whose capture takes an
+# optimizer, from its first "# ---" heading on. The lines above that heading are not
+# carried: they import what the rest of the artifact defines, so that ruff and pyrefly
+# check this part as a module of its own.
 from typing import Any, cast
 
 import torch
 
-from templates.runtime.calls import _STATE_NAMES
-from templates.runtime.declarations import (
+from precompile_gen.runtime_support.calls import _STATE_NAMES
+from precompile_gen.runtime_support.declarations import (
     _SIGNATURE,
     ARGUMENT_NAMES,
     GRAD_PARAM_INDICES,
     GRAD_RESETS,
     OPTIMIZERS,
 )
-from templates.runtime.support import (
+from precompile_gen.runtime_support.support import (
     _argument,
     _CheckedState,
     _fail,

@@ -1,17 +1,17 @@
 # Runtime support for Inductor's memory layouts: carried after the calls part
-# (templates/runtime/calls.py) by every inductor artifact whose kernels specialise on
-# the strides of their inputs, from its first "# ---" heading on. The lines above that
-# heading are not carried: they import what the rest of the artifact defines, so that
-# ruff and pyrefly check this part as a module of its own.
-from templates.runtime.calls import _NUM_STATE, _call_leaf_name
-from templates.runtime.declarations import (
+# (precompile_gen/runtime_support/calls.py) by every inductor artifact whose kernels
+# specialise on the strides of their inputs, from its first "# ---" heading on. The
+# lines above that heading are not carried: they import what the rest of the artifact
+# defines, so that ruff and pyrefly check this part as a module of its own.
+from precompile_gen.runtime_support.calls import _NUM_STATE, _call_leaf_name
+from precompile_gen.runtime_support.declarations import (
     ALIASED_INPUTS,
     BUFFER_STRIDES,
     PARAM_STRIDES,
     USER_INPUT_SHAPES,
     USER_INPUT_STRIDES,
 )
-from templates.runtime.support import _fail, _layout_message, _same_layout
+from precompile_gen.runtime_support.support import _fail, _layout_message, _same_layout
 
 # isort: split
 

@@ -1,9 +1,9 @@
 # Runtime support for namedtuple and dataclass types among the inputs and results:
-# carried after the base part (templates/runtime/support.py) by every artifact whose
-# specs name such types, from its first "# ---" heading on. The lines above that
-# heading are not carried: they import what the base part defines, so that ruff and
-# pyrefly check this part as a module of its own.
-from templates.runtime.support import _fail
+# carried after the base part (precompile_gen/runtime_support/support.py) by every
+# artifact whose specs name such types, from its first "# ---" heading on. The lines
+# above that heading are not carried: they import what the base part defines, so that
+# ruff and pyrefly check this part as a module of its own.
+from precompile_gen.runtime_support.support import _fail
 
 # isort: split
 

@@ -1,11 +1,11 @@
 # Runtime support for DTensors: carried after the calls part
-# (templates/runtime/calls.py) by every artifact captured with DTensor inputs, from
-# its first "# ---" heading on. The lines above that heading are not carried: they
-# import what the rest of the artifact defines, so that ruff and pyrefly check this
-# part as a module of its own.
-from templates.runtime.calls import _NUM_STATE, _call_leaf_name
-from templates.runtime.declarations import DTENSORS, USER_INPUT_SHAPES
-from templates.runtime.support import _fail
+# (precompile_gen/runtime_support/calls.py) by every artifact captured with DTensor
+# inputs, from its first "# ---" heading on. The lines above that heading are not
+# carried: they import what the rest of the artifact defines, so that ruff and pyrefly
+# check this part as a module of its own.
+from precompile_gen.runtime_support.calls import _NUM_STATE, _call_leaf_name
+from precompile_gen.runtime_support.declarations import DTENSORS, USER_INPUT_SHAPES
+from precompile_gen.runtime_support.support import _fail
 
 # isort: split
 

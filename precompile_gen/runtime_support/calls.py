@@ -1,15 +1,15 @@
 # Runtime support for every artifact's call: carried after the base part
-# (templates/runtime/support.py) and the parts before it, from its first "# ---"
-# heading on. The lines above that heading are not carried: they import what the
-# other parts and the rest of the artifact define, so that ruff and pyrefly check
-# this part as a module of its own.
+# (precompile_gen/runtime_support/support.py) and the parts before it, from its first "#
+# ---" heading on. The lines above that heading are not carried: they import what the
+# other parts and the rest of the artifact define, so that ruff and pyrefly check this
+# part as a module of its own.
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
 
-from templates.runtime.declarations import (
+from precompile_gen.runtime_support.declarations import (
     _SIGNATURE,
     _TENSOR_ARGUMENTS,
     _USER_POSITIONS,
@@ -39,7 +39,7 @@ from templates.runtime.declarations import (
     USER_INPUT_SYMBOLS,
     USER_INPUT_VALUES,
 )
-from templates.runtime.support import (
+from precompile_gen.runtime_support.support import (
     _argument,
     _arguments_message,
     _CheckedState,
