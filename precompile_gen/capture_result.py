@@ -420,9 +420,48 @@ class InputStrides(NamedTuple):
 
 
 @dataclass(frozen=True)
+class EagerGraph:
+    """What the eager backend's graph, fx's source, needs besides its text."""
+
+    # The imports fx's generated code expects in scope.
+    imports: list[str]
+    # The torch.cond branches fx's code reads as ``self.<name>``, each defined in the
+    # source as ``_graph_<name>(self, *operands)``.
+    branches: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class InductorGraph:
+    """What lowering found in, and made of, Inductor's module."""
+
+    # The lines of Inductor's module that ``inductor_imports`` rewrote in the source,
+    # each with its replacement ("" for a dropped line).
+    rewritten_imports: list[ImportRewrite]
+    # The names its inner ``call`` unpacks the graph inputs into (``arg0_1``, ...),
+    # where they are the convention's ``input_names`` one to one (empty where
+    # AOTAutograd merged inputs).
+    positional_names: list[str] = field(default_factory=list)
+    # Whether it rounds each float16 and bfloat16 op's result to its dtype, as eager
+    # does, rather than once per fused kernel (its ``emulate_precision_casts``, on
+    # for graphs that compute in those dtypes).
+    emulate_precision_casts: bool = False
+    # The names of the Triton kernels the source defines (GPU tensors, or CPU ones
+    # with Inductor's ``cpu_backend="triton"``), in its order. Each is compiled, or
+    # run by Triton's interpreter, from its source there, unless the cache carries
+    # Triton's compiled kernel for it (on a GPU).
+    triton_kernels: list[str] = field(default_factory=list)
+    # Every kernel the source defines, in its order (its Triton ones and its C++
+    # ones), which the graph section lists.
+    kernels: list[KernelEntry] = field(default_factory=list)
+    # AOTAutograd's code binds Inductor's inner ``call`` as ``_inner_call`` and
+    # defines the ``call`` the driver runs around it.
+    redefined_call: bool = False
+
+
+@dataclass(frozen=True)
 class CompiledGraph:
     """The compiled graph, spliced verbatim into the artifact, with what lowering
-    found in it: the strides it depends on, its kernels, the imports it rewrote."""
+    found in it: the strides it depends on, and its backend's own record."""
 
     # Defines ``call(flat_inputs) -> list`` (inductor) or ``_graph_forward(self,
     # *inputs)`` (eager, wrapped into ``call`` by the eager graph template).
@@ -430,33 +469,8 @@ class CompiledGraph:
     # Inputs of the graph after the user-input leaves, written out as literals.
     tensor_literals: list[TensorLiteral]
     input_strides: InputStrides
-    # Eager only: the imports fx's generated code expects in scope.
-    imports: list[str]
-    # Eager only: the torch.cond branches fx's code reads as ``self.<name>``, each
-    # defined in ``source`` as ``_graph_<name>(self, *operands)``.
-    branches: list[str]
-    # Inductor only: the lines of Inductor's module that ``inductor_imports`` rewrote
-    # in ``source``, each with its replacement ("" for a dropped line); and the
-    # names its inner ``call`` unpacks the graph inputs into (``arg0_1``, ...), where
-    # they are the convention's ``input_names`` one to one (empty where AOTAutograd
-    # merged inputs).
-    rewritten_imports: list[ImportRewrite]
-    positional_names: list[str] = field(default_factory=list)
-    # Inductor only: whether it rounds each float16 and bfloat16 op's result to its
-    # dtype, as eager does, rather than once per fused kernel (its
-    # ``emulate_precision_casts``, on for graphs that compute in those dtypes).
-    emulate_precision_casts: bool = False
-    # Inductor only: the names of the Triton kernels ``source`` defines (GPU tensors,
-    # or CPU ones with Inductor's ``cpu_backend="triton"``), in its order. Each is
-    # compiled, or run by Triton's interpreter, from its source there, unless the
-    # cache carries Triton's compiled kernel for it (on a GPU).
-    triton_kernels: list[str] = field(default_factory=list)
-    # Inductor only: every kernel ``source`` defines, in its order (its Triton ones
-    # and its C++ ones), which the graph section lists.
-    kernels: list[KernelEntry] = field(default_factory=list)
-    # Inductor only: AOTAutograd's code binds Inductor's inner ``call`` as
-    # ``_inner_call`` and defines the ``call`` the driver runs around it.
-    redefined_call: bool = False
+    # What the backend made besides the source: the one of the capture's backend.
+    backend_graph: EagerGraph | InductorGraph
 
 
 @dataclass(frozen=True)

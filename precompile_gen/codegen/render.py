@@ -24,7 +24,9 @@ import jinja2
 from precompile_gen.capture_result import (
     CallConvention,
     CaptureResult,
+    EagerGraph,
     ImportRewrite,
+    InductorGraph,
     InputLeaf,
     KernelEntry,
     SparseGradients,
@@ -379,12 +381,44 @@ class GraphSection:
 
 def graph_section(cap: CaptureResult) -> GraphSection:
     graph = cap.graph
+    made = graph.backend_graph
+    eager = made if isinstance(made, EagerGraph) else EagerGraph([])
+    inductor = made if isinstance(made, InductorGraph) else InductorGraph([])
     rewritten = [
         rewrite
-        for rewrite in graph.rewritten_imports
+        for rewrite in inductor.rewritten_imports
         if rewrite.original != inductor_imports.AUTOTUNING_BLOCK
     ]
     stand_ins = {rewrite.stand_in for rewrite in rewritten}
+    return GraphSection(
+        import_blocks=statement_blocks(eager.imports),
+        rewritten_imports=rewritten,
+        async_compile="_AsyncCompile" in stand_ins,
+        simple_namespace="SimpleNamespace" in stand_ins,
+        assert_tensor_metadata="_assert_tensor_metadata" in stand_ins,
+        autotuning_block=len(rewritten) < len(inductor.rewritten_imports),
+        triton_kernels=inductor.triton_kernels,
+        kernel_lines=[
+            line
+            for kernel in inductor.kernels
+            for line in [
+                f"#   {comment_text(kernel.name)}",
+                *comment_lines(_kernel_entry(kernel), lead=6),
+            ]
+        ],
+        redefined_call=inductor.redefined_call,
+        call_docstring=_call_docstring(cap),
+        call_comment=_call_comment(cap),
+        input_rows=_input_rows(cap, inductor.positional_names),
+        tensor_literals=graph.tensor_literals,
+        positional_names=inductor.positional_names,
+        emulate_precision_casts=inductor.emulate_precision_casts,
+        branches=eager.branches,
+    )
+
+
+def _input_rows(cap: CaptureResult, positional_names: list[str]) -> list[list[str]]:
+    """Per graph input: (Inductor's name for it,) its name and what it is."""
     names = cap.convention.input_names
     roles = _input_roles(cap)
     if len(names) != len(roles):
@@ -394,39 +428,11 @@ def graph_section(cap: CaptureResult) -> GraphSection:
             "parameter, buffer, input leaf, optimizer state tensor, lr, values "
             "tensor and tensor literal."
         )
-    if graph.positional_names:
-        input_rows = [["inductor", "input", "what"]] + [
-            list(row) for row in zip(graph.positional_names, names, roles, strict=True)
+    if positional_names:
+        return [["inductor", "input", "what"]] + [
+            list(row) for row in zip(positional_names, names, roles, strict=True)
         ]
-    else:
-        input_rows = [["input", "what"]] + [
-            list(row) for row in zip(names, roles, strict=True)
-        ]
-    return GraphSection(
-        import_blocks=statement_blocks(graph.imports),
-        rewritten_imports=rewritten,
-        async_compile="_AsyncCompile" in stand_ins,
-        simple_namespace="SimpleNamespace" in stand_ins,
-        assert_tensor_metadata="_assert_tensor_metadata" in stand_ins,
-        autotuning_block=len(rewritten) < len(graph.rewritten_imports),
-        triton_kernels=graph.triton_kernels,
-        kernel_lines=[
-            line
-            for kernel in graph.kernels
-            for line in [
-                f"#   {comment_text(kernel.name)}",
-                *comment_lines(_kernel_entry(kernel), lead=6),
-            ]
-        ],
-        redefined_call=graph.redefined_call,
-        call_docstring=_call_docstring(cap),
-        call_comment=_call_comment(cap),
-        input_rows=input_rows,
-        tensor_literals=graph.tensor_literals,
-        positional_names=graph.positional_names,
-        emulate_precision_casts=graph.emulate_precision_casts,
-        branches=graph.branches,
-    )
+    return [["input", "what"]] + [list(row) for row in zip(names, roles, strict=True)]
 
 
 class MetadataEntry(NamedTuple):

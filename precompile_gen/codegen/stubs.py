@@ -22,8 +22,10 @@ from precompile_gen.capture_result import (
     CompiledGraph,
     DeferredStep,
     DTensorLayout,
+    EagerGraph,
     ImportRewrite,
     IndexCheck,
+    InductorGraph,
     InputLeaf,
     InputStrides,
     InputTree,
@@ -182,18 +184,29 @@ def stub_capture(backend: Backend) -> CaptureResult:
                 TensorLiteral("literal0", [0.5, float("-inf")], "torch.float32", "cpu")
             ],
             input_strides=InputStrides([(4, 1)], [(1,)], [None], []),
-            imports=_EAGER_GRAPH_IMPORTS if eager else [],
-            branches=["true_graph_0"] if eager else [],
-            rewritten_imports=[] if eager else _REWRITTEN_IMPORTS,
-            positional_names=[] if eager else _positional_names(len(_INPUT_NAMES)),
-            triton_kernels=[] if eager else ["triton_poi_fused_0"],
-            # Covers the graph section's note on AOTAutograd's `call`.
-            redefined_call=not eager,
+            backend_graph=EagerGraph(_EAGER_GRAPH_IMPORTS, ["true_graph_0"])
+            if eager
+            else InductorGraph(
+                rewritten_imports=_REWRITTEN_IMPORTS,
+                positional_names=_positional_names(len(_INPUT_NAMES)),
+                triton_kernels=["triton_poi_fused_0"],
+                # Covers the graph section's note on AOTAutograd's `call`.
+                redefined_call=True,
+            ),
         ),
         payload=KernelPayload(
             kernel_binaries={_BINARY: "0" * 64}, kernel_sources={"1" * 64: _BINARY}
         ),
     )
+
+
+def replace_backend_graph(graph: CompiledGraph, **changes: Any) -> CompiledGraph:
+    """``graph`` with ``changes`` made to its backend's record, those of its fields
+    it has (``positional_names`` changes an inductor graph only)."""
+    made = graph.backend_graph
+    fields = {field.name for field in dataclasses.fields(made)}
+    kept = {name: value for name, value in changes.items() if name in fields}
+    return dataclasses.replace(graph, backend_graph=dataclasses.replace(made, **kept))
 
 
 def replace_convention(cap: CaptureResult, **changes: Any) -> CaptureResult:
@@ -306,9 +319,13 @@ def _all_features_optimizer() -> OptimizerArgument:
 def _all_features_graph(graph: CompiledGraph) -> CompiledGraph:
     # AOTAutograd merged aliased inputs: Inductor's are not the graph's. The
     # strides: the state, the leaves (one in a fixed layout), the momentum buffer.
-    return dataclasses.replace(
-        graph,
-        input_strides=InputStrides([(4, 1)], [(1,)], [None, (4, 1), None], [(4, 1)]),
+    return replace_backend_graph(
+        dataclasses.replace(
+            graph,
+            input_strides=InputStrides(
+                [(4, 1)], [(1,)], [None, (4, 1), None], [(4, 1)]
+            ),
+        ),
         positional_names=[],
     )
 
@@ -360,12 +377,14 @@ def no_features_capture(backend: Backend) -> CaptureResult:
     tensor input, nothing shared, marked or laid out."""
     stub = stub_capture(backend)
     conv = stub.convention
-    graph = dataclasses.replace(
-        stub.graph,
-        tensor_literals=[],
-        input_strides=InputStrides([None], [None], [None], []),
+    graph = replace_backend_graph(
+        dataclasses.replace(
+            stub.graph,
+            tensor_literals=[],
+            input_strides=InputStrides([None], [None], [None], []),
+        ),
         branches=[],
-        positional_names=[] if backend == "eager" else _positional_names(3),
+        positional_names=_positional_names(3),
     )
     return replace_convention(
         dataclasses.replace(stub, graph=graph),

@@ -23,9 +23,10 @@ from precompile_gen.capture_result import (
     Backend,
     CaptureResult,
     CompiledGraph,
+    EagerGraph,
     ImportRewrite,
+    InductorGraph,
     InputStrides,
-    KernelEntry,
     KernelPayload,
     TensorLiteral,
 )
@@ -59,21 +60,13 @@ def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
 
 
 class _LoweredGraph(NamedTuple):
-    """The graph as the artifact's source text, with what the backend made besides:
-    eager's imports and torch.cond branches, Inductor's kernels and rewritten
-    imports."""
+    """The graph as the artifact's source text, with what the backend made besides,
+    and the compiled kernels the cache carries."""
 
     source: str
-    imports: list[str]
-    branches: list[str]
+    backend_graph: EagerGraph | InductorGraph
     cache_artifact: dict[str, object] | None
     kernel_sources: dict[str, str]
-    rewritten_imports: list[ImportRewrite]
-    positional_names: list[str]
-    triton_kernels: list[str]
-    kernels: list[KernelEntry]
-    emulate_precision_casts: bool = False
-    redefined_call: bool = False
 
 
 def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
@@ -81,7 +74,7 @@ def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
         source, imports, branches = _eager_graph(
             traced.gm, traced.convention.input_names
         )
-        return _LoweredGraph(source, imports, branches, None, {}, [], [], [], [])
+        return _LoweredGraph(source, EagerGraph(imports, branches), None, {})
     options = _inductor_options(traced)
     with _quiet_cuda_home_guess():
         source, kernels = _inductor_graph(traced, options)
@@ -90,16 +83,16 @@ def _lower_graph(traced: TracedGraph, backend: Backend) -> _LoweredGraph:
     )
     return _LoweredGraph(
         source=source,
-        imports=[],
-        branches=[],
+        backend_graph=InductorGraph(
+            rewritten_imports=rewritten_imports,
+            positional_names=_positional_names(source, traced),
+            emulate_precision_casts=options.get("emulate_precision_casts") is True,
+            triton_kernels=kernels.triton_kernels,
+            kernels=inductor_module.kernels(source),
+            redefined_call=inductor_module.redefines_call(source),
+        ),
         cache_artifact=kernels.payload,
         kernel_sources=kernels.kernel_sources,
-        rewritten_imports=rewritten_imports,
-        positional_names=_positional_names(source, traced),
-        triton_kernels=kernels.triton_kernels,
-        emulate_precision_casts=options.get("emulate_precision_casts") is True,
-        kernels=inductor_module.kernels(source),
-        redefined_call=inductor_module.redefines_call(source),
     )
 
 
@@ -114,14 +107,7 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
         input_strides=_layout_dependent(
             traced.example_strides, graph, traced.convention.mutated_inputs
         ),
-        imports=graph.imports,
-        branches=graph.branches,
-        rewritten_imports=graph.rewritten_imports,
-        positional_names=graph.positional_names,
-        triton_kernels=graph.triton_kernels,
-        emulate_precision_casts=graph.emulate_precision_casts,
-        kernels=graph.kernels,
-        redefined_call=graph.redefined_call,
+        backend_graph=graph.backend_graph,
     )
 
 
@@ -134,7 +120,8 @@ def _layout_dependent(
     come in any layout. The eager graph, and an Inductor wrapper whose inputs are
     not the graph's one to one (AOTAutograd merges aliased inputs), keep every
     input's strides."""
-    names = graph.positional_names
+    inductor = graph.backend_graph
+    names = inductor.positional_names if isinstance(inductor, InductorGraph) else []
     if not names:
         return strides
     asserted = inductor_module.asserted_inputs(graph.source)

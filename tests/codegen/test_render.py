@@ -29,7 +29,11 @@ from precompile_gen.codegen.render import (
     render_skeleton,
     runtime_parts,
 )
-from precompile_gen.codegen.stubs import replace_convention, stub_capture
+from precompile_gen.codegen.stubs import (
+    replace_backend_graph,
+    replace_convention,
+    stub_capture,
+)
 from precompile_gen.metadata import METADATA_NAMES, metadata_constants
 
 
@@ -52,13 +56,15 @@ def large_capture(backend: Backend) -> pg.CaptureResult:
     input_names = [f"p_layers_{i}_weight" for i in range(300)]
     input_names += ["p_it_s", "p_say_hi_", "p_both_and_", "p_back_slash", "p_caf_"]
     input_names += ["p_" + "x" * 100, "b_running_mean", "x", "y", "z", "literal0"]
-    graph = dataclasses.replace(
-        stub.graph,
-        # The state's, the buffer's, then the three leaves'.
-        input_strides=InputStrides([(16, 1)] * count, [(1,)], [None, None, None], []),
-        positional_names=[f"arg{i}_1" for i in range(len(input_names))]
-        if backend == "inductor"
-        else [],
+    graph = replace_backend_graph(
+        dataclasses.replace(
+            stub.graph,
+            # The state's, the buffer's, then the three leaves'.
+            input_strides=InputStrides(
+                [(16, 1)] * count, [(1,)], [None, None, None], []
+            ),
+        ),
+        positional_names=[f"arg{i}_1" for i in range(len(input_names))],
     )
     return replace_convention(
         dataclasses.replace(stub, graph=graph),

@@ -25,6 +25,7 @@ from helpers import triton_programs
 from precompile_gen.capture_result import (
     CallConvention,
     CompiledGraph,
+    InductorGraph,
     InputLeaf,
     InputStrides,
     InputTree,
@@ -210,13 +211,13 @@ def _canned_inductor(
             input_strides=InputStrides(
                 [stride for _, _, stride in weights], [], [(4, 1)], []
             ),
-            imports=[],
-            branches=[],
-            rewritten_imports=rewritten_imports,
-            positional_names=[f"arg{index}_1" for index in range(len(input_names))],
-            triton_kernels=_TRITON_KERNEL.findall(source),
-            kernels=inductor_module.kernels(source),
-            redefined_call=inductor_module.redefines_call(source),
+            backend_graph=InductorGraph(
+                rewritten_imports=rewritten_imports,
+                positional_names=[f"arg{i}_1" for i in range(len(input_names))],
+                triton_kernels=_TRITON_KERNEL.findall(source),
+                kernels=inductor_module.kernels(source),
+                redefined_call=inductor_module.redefines_call(source),
+            ),
         ),
         # The canned graph's kernels are not compiled here: nothing is pinned.
         payload=KernelPayload(),
@@ -245,7 +246,9 @@ def inductor_triton_train_step() -> pg.CaptureResult:
     with mock.patch.object(lower, "_inductor_graph", return_value=(canned, scanned)):
         cap = pg.capture(program.fn, *program.arguments(), backend="inductor")
     # The canned module is the traced graph's: it unpacks one input per graph input.
-    assert len(cap.graph.positional_names) == len(cap.convention.input_names)
+    made = cap.graph.backend_graph
+    assert isinstance(made, InductorGraph)
+    assert len(made.positional_names) == len(cap.convention.input_names)
     # The cache is not rendered, and the golden pins no binary.
     return dataclasses.replace(
         cap, payload=dataclasses.replace(cap.payload, cache_artifact=None)

@@ -27,7 +27,11 @@ from helpers.golden import full_artifact
 from precompile_gen.capture_result import InputLeaf, InputStrides, InputTree
 from precompile_gen.codegen.render import render_artifact
 from precompile_gen.codegen.sections import sections_by_key
-from precompile_gen.codegen.stubs import replace_convention, stub_capture
+from precompile_gen.codegen.stubs import (
+    replace_backend_graph,
+    replace_convention,
+    stub_capture,
+)
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import build_cache
 from precompile_gen.runtime.load import parse_artifact
@@ -394,9 +398,10 @@ def call(flat_inputs):
 
 def test_inspect_shows_dynamic_dims_with_symbols_bounds_and_strides() -> None:
     stub = stub_capture("inductor")
-    graph = dataclasses.replace(
-        stub.graph,
-        input_strides=InputStrides([(4, 1)], [(1,)], [None, None], []),
+    graph = replace_backend_graph(
+        dataclasses.replace(
+            stub.graph, input_strides=InputStrides([(4, 1)], [(1,)], [None, None], [])
+        ),
         positional_names=[],
     )
     cap = replace_convention(
