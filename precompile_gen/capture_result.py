@@ -127,6 +127,28 @@ class SparseGradients(NamedTuple):
     source: str
 
 
+class ProcessGroupRecord(NamedTuple):
+    """A process group the graph's collectives (or a DDP argument) use, as the
+    driver recognises it in the loading process."""
+
+    # What the graph's collectives refer to it by.
+    name: str
+    backend: str
+    # Its members' global ranks.
+    ranks: list[int]
+
+
+class DataParallelArgument(NamedTuple):
+    """A DistributedDataParallel argument, with the options the graph's gradient
+    reduction was built for."""
+
+    position: int
+    # The name of its process group (a ``ProcessGroupRecord``'s).
+    group: str
+    find_unused_parameters: bool
+    bucket_cap_mb: float
+
+
 class DeferredStep(NamedTuple):
     """An optimizer step the driver takes eagerly after the gradients are added:
     that of the parameters with sparse gradients, which the graph cannot update."""
@@ -349,12 +371,11 @@ class CallConvention:
     # before adding the harvested gradients, as the eager call would have.
     grad_resets: list[tuple[int, bool]]
     # --- The process groups --------------------------------------------------------
-    # The process groups the graph's collectives (and DDP arguments) use, each
-    # {"name", "backend", "ranks"}: a call must bring the same groups.
-    process_groups: list[dict[str, object]] = field(default_factory=list)
-    # Per DistributedDataParallel argument: {"position", "group", ...}, the options
-    # the graph's gradient reduction was built for.
-    data_parallel: list[dict[str, object]] = field(default_factory=list)
+    # The process groups the graph's collectives (and DDP arguments) use: a call must
+    # bring the same groups.
+    process_groups: list[ProcessGroupRecord] = field(default_factory=list)
+    # The DistributedDataParallel arguments.
+    data_parallel: list[DataParallelArgument] = field(default_factory=list)
     # The graph inputs that were DTensors, by position (module state, then input
     # leaves), with their mesh shape and placements: the driver holds each call to
     # them, and every other position to a plain tensor.

@@ -411,7 +411,7 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant(
         "PROCESS_GROUPS",
         'list[dict[str, "Any"]]',
-        lambda r: r.convention.process_groups,
+        lambda r: [group._asdict() for group in r.convention.process_groups],
         "The process groups the graph's collectives (and DistributedDataParallel "
         "arguments) use: the name the graph refers to each by, its backend and its "
         "global ranks. Every call must find the same groups (created in the same "
@@ -421,7 +421,7 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant(
         "DATA_PARALLEL",
         'list[dict[str, "Any"]]',
-        lambda r: r.convention.data_parallel,
+        lambda r: [argument._asdict() for argument in r.convention.data_parallel],
         "Per DistributedDataParallel argument: its position, the name of its process "
         "group and the options its gradients' all-reduce was captured with.",
         default=[],

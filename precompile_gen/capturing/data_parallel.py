@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from precompile_gen.capture_result import DataParallelArgument, ProcessGroupRecord
 from precompile_gen.runtime.errors import PrecompileError
 
 _MB = 1024 * 1024
@@ -129,24 +130,26 @@ def _refuse(where: str, what: str, why: str, fix: str) -> None:
     )
 
 
-def group_record(group: dist.ProcessGroup) -> dict[str, object]:
+def group_record(group: dist.ProcessGroup) -> ProcessGroupRecord:
     """How the driver recognises ``group``: its name (what the graph's collectives
     refer to it by), backend and global ranks."""
-    return {
-        "name": str(group.group_name),
-        "backend": dist.get_backend(group),
-        "ranks": list(dist.get_process_group_ranks(group)),
-    }
+    return ProcessGroupRecord(
+        name=str(group.group_name),
+        backend=str(dist.get_backend(group)),
+        ranks=list(dist.get_process_group_ranks(group)),
+    )
 
 
-def data_parallel_record(module: torch.nn.Module, position: int) -> dict[str, object]:
+def data_parallel_record(
+    module: torch.nn.Module, position: int
+) -> DataParallelArgument:
     ddp = _ddp(module)
-    return {
-        "position": position,
-        "group": str(ddp.process_group.group_name),
-        "find_unused_parameters": bool(ddp.find_unused_parameters),
-        "bucket_cap_mb": ddp.bucket_bytes_cap / _MB,
-    }
+    return DataParallelArgument(
+        position=position,
+        group=str(ddp.process_group.group_name),
+        find_unused_parameters=bool(ddp.find_unused_parameters),
+        bucket_cap_mb=ddp.bucket_bytes_cap / _MB,
+    )
 
 
 def graph_groups(gm: torch.fx.GraphModule) -> list[str]:
@@ -166,7 +169,7 @@ def graph_groups(gm: torch.fx.GraphModule) -> list[str]:
 
 def process_groups(
     gm: torch.fx.GraphModule, modules: list[torch.nn.Module]
-) -> list[dict[str, object]]:
+) -> list[ProcessGroupRecord]:
     from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
     names = graph_groups(gm)

@@ -31,6 +31,7 @@ from precompile_gen.capture_result import (
     AliasGroup,
     Backend,
     CallConvention,
+    DataParallelArgument,
     DeferredStep,
     DTensorLayout,
     InputLeaf,
@@ -1175,7 +1176,7 @@ def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
         ) from error
 
 
-def _data_parallel_records(call: _Arguments) -> list[dict[str, object]]:
+def _data_parallel_records(call: _Arguments) -> list[DataParallelArgument]:
     return [
         data_parallel.data_parallel_record(module, position)
         for position, module in zip(call.module_positions, call.modules, strict=True)

@@ -186,6 +186,9 @@ class DriverFeatures:
     dict_inputs: bool
     # Inputs that shared a storage at capture.
     aliasing: bool
+    # Inputs the graph updates in place: an inference tensor passed there is refused,
+    # as eager refuses to write to it.
+    inference_writes: bool
     # Inductor's strides, on the module state and on the input leaves.
     state_layouts: bool
     leaf_layouts: bool
@@ -239,6 +242,7 @@ def driver_features(cap: CaptureResult) -> DriverFeatures:
         pytree_types=bool(conv.pytree_types),
         dict_inputs=conv.in_tree.holds_dicts,
         aliasing=bool(conv.aliased_inputs),
+        inference_writes=bool(conv.mutated_inputs),
         state_layouts=inductor and any(stride is not None for stride in state_strides),
         leaf_layouts=inductor and any(stride is not None for stride in strides.leaves),
         gradients=bool(conv.grad_param_indices),
@@ -293,9 +297,6 @@ class DriverSection:
     # _checked_state's arguments: the call, the modules, and the capture's own
     # checks of the module state.
     state_checks: list[str]
-    # The graph updates inputs in place, which a copy into the captured layout must
-    # not hide from the caller.
-    mutated_inputs: bool
     # The sparse gradients the driver builds from the graph's last outputs.
     sparse_gradients: SparseGradients | None
 
@@ -332,7 +333,6 @@ def driver_section(cap: CaptureResult, features: DriverFeatures) -> DriverSectio
             *(["_check_state_layouts"] if features.state_layouts else []),
             *(["_check_state_sharding"] if features.dtensors else []),
         ],
-        mutated_inputs=bool(conv.mutated_inputs),
         sparse_gradients=conv.sparse_gradients,
     )
 

@@ -20,6 +20,7 @@ from precompile_gen.capture_result import (
     CallConvention,
     CaptureResult,
     CompiledGraph,
+    DataParallelArgument,
     DeferredStep,
     DTensorLayout,
     EagerGraph,
@@ -34,6 +35,7 @@ from precompile_gen.capture_result import (
     OptimizerArgument,
     OptimizerStateTensor,
     ParamGroup,
+    ProcessGroupRecord,
     PythonValue,
     ShardInput,
     ShardOutput,
@@ -337,15 +339,8 @@ def _distributed(capture: CaptureResult) -> CaptureResult:
     eager = capture.backend == "eager"
     return replace_convention(
         capture,
-        process_groups=[{"name": "0", "backend": "gloo", "ranks": [0, 1]}],
-        data_parallel=[
-            {
-                "position": 0,
-                "group": "0",
-                "find_unused_parameters": False,
-                "bucket_cap_mb": 25.0,
-            }
-        ],
+        process_groups=[ProcessGroupRecord("0", "gloo", [0, 1])],
+        data_parallel=[DataParallelArgument(0, "0", False, 25.0)],
         dtensors={
             0: DTensorLayout((2,), ("Shard(dim=0)",)),
             2: DTensorLayout((2,), ("Replicate()",)),
