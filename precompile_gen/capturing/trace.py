@@ -257,7 +257,9 @@ def _trace_graph(
     dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
     updates = _read_updates(gm, call, lifted, inputs, harvest, mutated)
     constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
-    graph_checks.check_graph_ops(gm)
+    if found.paths[0].reads:
+        # Each path's graph was checked as it was traced; the merge made a new one.
+        graph_checks.check_graph_ops(gm)
     _hoist_updates(gm, lifted.state, inputs)
     local = _local_graph(gm, path.on_shards, inputs, backend, decompositions)
     return _record(
