@@ -399,6 +399,9 @@ def _compile_error(error: Exception) -> PrecompileError:
             "backend='eager' to run the captured graph without compiling it.\n"
             + str(error).strip()
         )
+    dynamic = _dynamic_output_error(error)
+    if dynamic is not None:
+        return dynamic
     # AOTAutograd re-traces the captured graph with its own decompositions, and
     # a layout they disagree on with eager's kernels fails there.
     first_line = (str(error).strip().splitlines() or [""])[0]
@@ -408,6 +411,22 @@ def _compile_error(error: Exception) -> PrecompileError:
         "decompositions (decompositions=torch._inductor.decomposition."
         "select_decomp_table()), or use backend='eager' to run the captured "
         "graph without compiling it."
+    )
+
+
+def _dynamic_output_error(error: Exception) -> PrecompileError | None:
+    """The error for an op whose result's shape its inputs' values decide, which
+    Inductor compiles only with sizes it can bound; None for any other."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    if not isinstance(error, DynamicOutputShapeException):
+        return None
+    return PrecompileError(
+        f"the inductor backend cannot compile {error.func}: the shape of its result "
+        "depends on the values of its inputs (the lengths a CTC loss is given, "
+        "say), and Inductor has no kernel for it at sizes it cannot bound. Capture "
+        "with backend='eager', which runs the captured ops as eager does, at each "
+        "call's sizes."
     )
 
 

@@ -151,3 +151,81 @@ def test_a_backward_built_for_the_example_s_routing_is_refused() -> None:
     assert "the trace's aten.expand.default takes that size" in message
     assert "Dispatch with dense masks instead" in message
     snapshot.assert_unchanged()
+
+
+# --- CTC loss with per-call lengths ---------------------------------------------------
+
+
+class Transcriber(nn.Module):
+    """Frame features to log-probabilities over 5 symbols (0 is CTC's blank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.proj(frames).log_softmax(-1)
+
+
+def ctc_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    frames: torch.Tensor,
+    targets: torch.Tensor,
+    frame_lengths: torch.Tensor,
+    target_lengths: torch.Tensor,
+) -> torch.Tensor:
+    log_probs = model(frames).transpose(0, 1)  # time, batch, symbols
+    loss = F.ctc_loss(log_probs, targets, frame_lengths, target_lengths)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def ctc_batch(seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    frames = torch.randn(3, 12, 8, generator=generator)
+    targets = torch.randint(1, 5, (3, 4), generator=generator)
+    frame_lengths = torch.randint(8, 13, (3,), generator=generator)
+    target_lengths = torch.randint(1, 5, (3,), generator=generator)
+    return frames, targets, frame_lengths, target_lengths
+
+
+def make_transcriber() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Transcriber()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_ctc_loss_with_lengths_that_change_at_every_call_trains_like_eager() -> None:
+    # The eager backend runs aten's CTC loss and its backward at each call's lengths.
+    model, optimizer = make_transcriber()
+    python_code, cache = pg.precompile(
+        ctc_step, model, optimizer, *ctc_batch(0), backend="eager"
+    )
+    step = pg.load(python_code, cache)
+    twin, twin_optimizer = make_transcriber()
+    lengths = set()
+    for seed in range(1, 5):
+        batch = ctc_batch(seed)
+        lengths.add((tuple(batch[2].tolist()), tuple(batch[3].tolist())))
+        torch.testing.assert_close(
+            step(model, optimizer, *batch), ctc_step(twin, twin_optimizer, *batch)
+        )
+        torch.testing.assert_close(model.state_dict(), twin.state_dict())
+    assert len(lengths) == 4
+
+
+def test_ctc_loss_on_inductor_is_refused_naming_the_op_and_the_fix() -> None:
+    model, optimizer = make_transcriber()
+    args = (model, optimizer, *ctc_batch(0))
+    snapshot = StateSnapshot(*args)
+    with pytest.raises(pg.PrecompileError) as caught:
+        pg.precompile(ctc_step, *args, backend="inductor")
+    message = str(caught.value)
+    for text in ("aten._ctc_loss.Tensor", "values of its inputs", "backend='eager'"):
+        assert text in message, f"{text!r} not in the message: {message}"
+    assert "decompositions" not in message
+    snapshot.assert_unchanged()
+    assert not optimizer.state
