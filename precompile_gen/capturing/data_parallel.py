@@ -135,7 +135,7 @@ def group_record(group: dist.ProcessGroup) -> ProcessGroupRecord:
     refer to it by), backend and global ranks."""
     return ProcessGroupRecord(
         name=str(group.group_name),
-        backend=str(dist.get_backend(group)),
+        backend=dist.get_backend(group),
         ranks=list(dist.get_process_group_ranks(group)),
     )
 

@@ -16,7 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from helpers.state_snapshot import StateSnapshot, assert_same_state, clone_with_grads
+from helpers.state_snapshot import (
+    StateSnapshot,
+    assert_call_rejected,
+    assert_same_state,
+    clone_with_grads,
+)
 from torch import nn
 
 import precompile_gen as pg
@@ -56,19 +61,6 @@ class Compiled:
 def compile_for(backend: str, fn: Callable[..., object], *example: object) -> Compiled:
     python_code, cache = pg.precompile(fn, *example, backend=backend)
     return Compiled(backend, python_code, cache, pg.load(python_code, cache))
-
-
-def assert_refused(
-    forward: Callable[..., object], *args: object, match: list[str]
-) -> None:
-    """``forward(*args)`` raises PrecompileError naming every string in ``match``,
-    and leaves the model, its ``.grad`` fields and the inputs as they were."""
-    snapshot = StateSnapshot(*args)
-    with pytest.raises(pg.PrecompileError) as caught:
-        forward(*args)
-    for text in match:
-        assert text in str(caught.value), f"{text!r} not in: {caught.value}"
-    snapshot.assert_unchanged()
 
 
 def assert_runs_like_eager(
@@ -177,7 +169,7 @@ def test_dict_with_other_keys_is_refused(
     assert isinstance(extras, dict)
     change(extras)
     fix = "Pass a dict with exactly those keys, or capture again with these."
-    assert_refused(dict_artifact.forward, model, batch, match=[*match, fix])
+    assert_call_rejected(dict_artifact.forward, model, batch, match=[*match, fix])
 
 
 # --- 2. Another memory layout ---------------------------------------------------------
@@ -293,7 +285,7 @@ def test_input_the_graph_writes_is_not_copied(layout_artifact: Compiled) -> None
         return
     model = make_net()
     model.lin.weight.grad = torch.ones(3, 4)
-    assert_refused(
+    assert_call_rejected(
         layout_artifact.forward,
         model,
         x,
@@ -338,7 +330,7 @@ def test_input_of_an_expanded_example_is_not_copied(
     if expanded_artifact.backend == "eager":
         assert_runs_like_eager(expanded_artifact.forward, scale_rows, make_net(), x)
         return
-    assert_refused(
+    assert_call_rejected(
         expanded_artifact.forward,
         make_net(),
         x,
@@ -425,7 +417,7 @@ def test_types_are_recorded_by_import_path(typed_artifact: Compiled) -> None:
 def test_dataclass_input_with_other_fields_is_refused(typed_artifact: Compiled) -> None:
     batch = make_typed_batch(1)
     batch.extras = {"scale": batch.extras["scale"]}
-    assert_refused(
+    assert_call_rejected(
         typed_artifact.forward,
         make_net(),
         batch,
