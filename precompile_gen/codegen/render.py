@@ -497,8 +497,8 @@ def _kernel_entry(kernel: KernelEntry) -> str:
 
 def _call_docstring(cap: CaptureResult) -> list[str]:
     return docstring(
-        f"Run the captured graph on ``{_input_groups(cap)}``; return the function's "
-        "flat outputs followed by the harvested parameter gradients.",
+        f"Run the captured graph on ``{_input_groups(cap)}``; return "
+        f"``{_output_groups(cap)}``.",
         indent=4,
     )
 
@@ -511,9 +511,23 @@ def _call_comment(cap: CaptureResult) -> list[str]:
     )
     return comment_lines(
         "Spliced from aot_autograd.compile_to_python. `call(flat_inputs)` takes "
-        f"`{_input_groups(cap)}`{updates}returns the function's flat outputs "
-        "followed by the harvested parameter gradients."
+        f"`{_input_groups(cap)}`{updates}returns `{_output_groups(cap)}`."
     )
+
+
+def _output_groups(cap: CaptureResult) -> str:
+    """The graph's outputs as groups, in the order the driver takes them apart: the
+    function's own, the gradients it adds to .grad, the dense pieces it builds
+    sparse gradients from, whether the call's path took the step."""
+    conv = cap.convention
+    groups = ["*function_outputs"]
+    if conv.grad_param_indices:
+        groups.append("*parameter_gradients")
+    if conv.sparse_gradients is not None:
+        groups.append("*sparse_gradient_pieces")
+    if conv.skippable_step:
+        groups.append("step_taken")
+    return f"[{', '.join(groups)}]"
 
 
 def _input_groups(cap: CaptureResult) -> str:

@@ -57,8 +57,8 @@ def _graph_forward(self, p_0_weight, p_1_weight, p_1_bias, ids):
 
 
 def call(flat_inputs: list[object]) -> list[object]:
-    """Run the captured graph on ``[*params, *buffers, *user_input_leaves]``; return the
-    function's flat outputs followed by the harvested parameter gradients."""
+    """Run the captured graph on ``[*params, *buffers, *user_input_leaves]``; return
+    ``[*function_outputs]``."""
     # fx's code takes the GraphModule as ``self``, and reads nothing from it here.
     return list(_graph_forward(None, *flat_inputs))
 

@@ -26,10 +26,10 @@
 #
 # Sections, and the line each starts on:
 # 1. compiled graph, line 35
-# 2. calling-convention metadata, line 77
-# 3. driver, line 177: its forward(), line 186, is what a call runs
+# 2. calling-convention metadata, line 76
+# 3. driver, line 176: its forward(), line 185, is what a call runs
 # 4. runtime support, the same in every artifact of this precompile_gen version (its
-#    sha256 in its title), line 200
+#    sha256 in its title), line 199
 
 # ====================================================================================
 # 1. Compiled graph: the captured ATen graph, run eagerly
@@ -56,8 +56,7 @@ def _graph_forward(self, p_0_weight, p_0_bias, p_2_weight, p_2_bias, x, y, liter
 
 def call(flat_inputs: list[object]) -> list[object]:
     """Run the captured graph on ``[*params, *buffers, *user_input_leaves,
-    *tensor_literals]``; return the function's flat outputs followed by the harvested
-    parameter gradients."""
+    *tensor_literals]``; return ``[*function_outputs]``."""
     # fx's code takes the GraphModule as ``self``, and reads nothing from it here.
     return list(_graph_forward(None, *flat_inputs))
 

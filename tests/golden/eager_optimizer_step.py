@@ -116,8 +116,8 @@ def _graph_forward(
 
 def call(flat_inputs: list[object]) -> list[object]:
     """Run the captured graph on ``[*params, *buffers, *user_input_leaves,
-    *optimizer_state, *lrs, *group_values]``; return the function's flat outputs
-    followed by the harvested parameter gradients."""
+    *optimizer_state, *lrs, *group_values]``; return ``[*function_outputs,
+    *parameter_gradients]``."""
     # fx's code takes the GraphModule as ``self``, and reads nothing from it here.
     return list(_graph_forward(None, *flat_inputs))
 

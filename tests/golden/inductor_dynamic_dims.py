@@ -28,17 +28,16 @@
 #
 # Sections, and the line each starts on:
 # 1. compiled graph, line 37
-# 2. calling-convention metadata, line 281
-# 3. driver, line 375: its forward(), line 384, is what a call runs
+# 2. calling-convention metadata, line 280
+# 3. driver, line 374: its forward(), line 383, is what a call runs
 # 4. runtime support, the same in every artifact of this precompile_gen version (its
-#    sha256 in its title), line 398
+#    sha256 in its title), line 397
 
 # ====================================================================================
 # 1. Compiled graph: AOTAutograd + Inductor, exposing call()
 # ====================================================================================
 # Spliced from aot_autograd.compile_to_python. `call(flat_inputs)` takes `[*params,
-# *buffers, *user_input_leaves]` and returns the function's flat outputs followed by the
-# harvested parameter gradients.
+# *buffers, *user_input_leaves]` and returns `[*function_outputs]`.
 #
 # Its kernels, in the order it defines them, with the size of each definition and,
 # where Inductor's comments name them, the ATen ops each computes:

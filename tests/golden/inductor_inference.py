@@ -25,17 +25,16 @@
 #
 # Sections, and the line each starts on:
 # 1. compiled graph, line 34
-# 2. calling-convention metadata, line 278
-# 3. driver, line 370: its forward(), line 379, is what a call runs
+# 2. calling-convention metadata, line 277
+# 3. driver, line 369: its forward(), line 378, is what a call runs
 # 4. runtime support, the same in every artifact of this precompile_gen version (its
-#    sha256 in its title), line 394
+#    sha256 in its title), line 393
 
 # ====================================================================================
 # 1. Compiled graph: AOTAutograd + Inductor, exposing call()
 # ====================================================================================
 # Spliced from aot_autograd.compile_to_python. `call(flat_inputs)` takes `[*params,
-# *buffers, *user_input_leaves]` and returns the function's flat outputs followed by the
-# harvested parameter gradients.
+# *buffers, *user_input_leaves]` and returns `[*function_outputs]`.
 #
 # Its kernels, in the order it defines them, with the size of each definition and,
 # where Inductor's comments name them, the ATen ops each computes:

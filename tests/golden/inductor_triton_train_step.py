@@ -42,8 +42,8 @@
 # ====================================================================================
 # Spliced from aot_autograd.compile_to_python. `call(flat_inputs)` takes `[*params,
 # *buffers, *user_input_leaves, *optimizer_state, *lrs, *group_values]`, updates the
-# parameters and the optimizer state in place, and returns the function's flat outputs
-# followed by the harvested parameter gradients.
+# parameters and the optimizer state in place, and returns `[*function_outputs,
+# *parameter_gradients]`.
 #
 # Its kernels, in the order it defines them, with the size of each definition and,
 # where Inductor's comments name them, the ATen ops each computes:
