@@ -486,7 +486,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 681d76aa7e57670c7eef11d0c29022d020906ed7a0f5dc46738a6368a51d9430)
+# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 62c562d7cc72531dc9293959f3a60e131ea2751a465abd9784293e73448bebeb)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -1955,7 +1955,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 3c83885507466c20c0f94e790196dc0457bf821dec45032432a7e6d21381053b)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 2116ae6a55f60c9a2d0dfc222c54d712a8de30d924486b13fd1e5f8dcad51d59)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

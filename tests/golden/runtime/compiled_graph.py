@@ -38,6 +38,32 @@ def _run_compiled(call: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> 
         raise
 
 
+def _run_compiled_at_branches(
+    call: Callable[[list[Any]], list[Any]], inputs: list[Any]
+) -> Any:
+    """``_run_compiled``, for a graph that may refuse a call at a branch on a
+    tensor's value. AOTAutograd counts a version of each input the graph writes
+    before the graph runs: a call the graph refuses gets its inputs' counters back,
+    as it leaves their values."""
+    versions = [
+        (tensor, tensor._version)
+        for tensor in inputs
+        if isinstance(tensor, torch.Tensor) and not tensor.is_inference()
+    ]
+    try:
+        return _run_compiled(call, inputs)
+    except BaseException:
+        moved = [
+            (tensor, count) for tensor, count in versions if tensor._version != count
+        ]
+        if moved:
+            from torch._C._autograd import _unsafe_set_version_counter
+
+            tensors, counts = zip(*moved, strict=True)
+            _unsafe_set_version_counter(tensors, counts)
+        raise
+
+
 # --- Compiled kernels ---------------------------------------------------------------
 def _resolve_kernels(namespace: dict[str, Any]) -> None:
     """Build the kernels an inductor artifact's graph section deferred, in place of
