@@ -435,9 +435,7 @@ class InputStrides(NamedTuple):
     def replaced(self, flat: Strides) -> InputStrides:
         """The same records holding ``flat`` (in ``flat()``'s order) instead."""
         values = iter(flat)
-        return InputStrides(
-            *([next(values) for _ in strides] for strides in self)  # type: ignore[arg-type]
-        )
+        return InputStrides._make([next(values) for _ in strides] for strides in self)
 
 
 @dataclass(frozen=True)
