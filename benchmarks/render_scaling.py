@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -21,9 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import precompile_gen as pg
-from precompile_gen.codegen.stubs import stub_capture
 
-FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "inductor_mlp_graph.txt"
+TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
+# The hand-built capture the tests render, from their helpers package.
+sys.path.insert(0, str(TESTS_DIR))
+from helpers.stubs import stub_capture  # noqa: E402
+
+FIXTURE = TESTS_DIR / "fixtures" / "inductor_mlp_graph.txt"
 SIZES_MB = (1, 10, 100)
 TIME_TARGET = 3.0
 MEMORY_TARGET = 3.0

@@ -191,6 +191,16 @@ class ShardOutput(NamedTuple):
     stride: tuple[int, ...]
 
 
+class LocalShards(NamedTuple):
+    """A graph that computes on local shards (Inductor compiles plain tensors; a
+    fully_shard model's trace gathers its parameters from them): the DTensor inputs
+    it takes the shards of, by graph-input position, and the DTensor results it
+    returns the shards of, by graph-output position."""
+
+    inputs: dict[int, ShardInput]
+    outputs: dict[int, ShardOutput]
+
+
 class StateTensor(NamedTuple):
     """A parameter or buffer of the module arguments, lifted to a graph input."""
 
@@ -380,11 +390,6 @@ class CallConvention:
     # leaves), with their mesh shape and placements: the driver holds each call to
     # them, and every other position to a plain tensor.
     dtensors: dict[int, DTensorLayout] = field(default_factory=dict)
-    # With DTensors on the inductor backend, the compiled graph computes on local
-    # shards: the DTensor inputs it takes the shards of, by graph-input position, and
-    # the DTensor results it returns the shards of, by graph-output position.
-    shard_inputs: dict[int, ShardInput] = field(default_factory=dict)
-    shard_outputs: dict[int, ShardOutput] = field(default_factory=dict)
     # --- What only some captures have ----------------------------------------------
     # Sparse parameter gradients, built by the driver from the graph's last outputs,
     # and the optimizer steps it takes for them after the graph.
@@ -490,6 +495,9 @@ class CompiledGraph:
     input_strides: InputStrides
     # What the backend made besides the source: the one of the capture's backend.
     backend_graph: EagerGraph | InductorGraph
+    # Where the graph computes on DTensors' local shards, which ones (None where it
+    # takes and returns the DTensors themselves, or none).
+    local_shards: LocalShards | None = None
 
 
 @dataclass(frozen=True)

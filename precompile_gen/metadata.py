@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from precompile_gen.capture_result import LocalShards
+
 if TYPE_CHECKING:
     from precompile_gen.capture_result import (
         Backend,
@@ -33,12 +35,14 @@ if TYPE_CHECKING:
 
 class Records(NamedTuple):
     """What a constant's value is read from: the capture's records, with the graph's
-    input strides split by the records they belong to."""
+    input strides split by the records they belong to, and the DTensors whose local
+    shards it takes and returns (none where it does not)."""
 
     backend: Backend
     convention: CallConvention
     payload: KernelPayload
     strides: InputStrides
+    local_shards: LocalShards
 
 
 class _Required:
@@ -376,8 +380,7 @@ CONSTANTS: tuple[Constant, ...] = (
         "SHARD_INPUTS",
         "dict[int, tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]]",
         lambda r: {
-            position: tuple(shard)
-            for position, shard in r.convention.shard_inputs.items()
+            position: tuple(shard) for position, shard in r.local_shards.inputs.items()
         },
         "The graph computes on local shards (Inductor compiles plain tensors; a "
         "fully_shard model's trace gathers its parameters from them): the graph "
@@ -393,8 +396,7 @@ CONSTANTS: tuple[Constant, ...] = (
         "SHARD_OUTPUTS",
         "dict[int, tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]]",
         lambda r: {
-            position: tuple(shard)
-            for position, shard in r.convention.shard_outputs.items()
+            position: tuple(shard) for position, shard in r.local_shards.outputs.items()
         },
         default={},
         shown_with="SHARD_INPUTS",
@@ -468,7 +470,14 @@ OPTIONAL_METADATA: dict[str, object] = {
 
 def records(cap: CaptureResult) -> Records:
     """What ``cap``'s constants are read from."""
-    return Records(cap.backend, cap.convention, cap.payload, cap.graph.input_strides)
+    graph = cap.graph
+    return Records(
+        cap.backend,
+        cap.convention,
+        cap.payload,
+        graph.input_strides,
+        graph.local_shards or LocalShards({}, {}),
+    )
 
 
 def metadata_constants(cap: CaptureResult) -> dict[str, object]:

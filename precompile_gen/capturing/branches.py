@@ -37,8 +37,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from precompile_gen.capturing import graph_names, tensor_literals
-from precompile_gen.codegen import convention
+from precompile_gen.capturing import convention, graph_names, tensor_literals
 from precompile_gen.runtime.errors import PrecompileError
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from precompile_gen.capturing import optimizers
-from precompile_gen.codegen import convention
+from precompile_gen.capturing import convention, optimizers
 from precompile_gen.runtime.errors import PrecompileError
 
 # parameter index (into PARAM_NAMES) -> whether its .grad ends up None (True) or

@@ -35,8 +35,12 @@ from typing import Any, cast
 import torch
 
 from precompile_gen.capture_result import PythonValue
-from precompile_gen.capturing import data_dependent, data_parallel, graph_names
-from precompile_gen.codegen import convention
+from precompile_gen.capturing import (
+    convention,
+    data_dependent,
+    data_parallel,
+    graph_names,
+)
 from precompile_gen.runtime.errors import PrecompileError, listed
 from precompile_gen.tools import timings
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from precompile_gen.codegen import convention
+from precompile_gen.capturing import convention
 from precompile_gen.runtime.errors import PrecompileError
 
 

@@ -29,7 +29,7 @@ from torch.optim.optimizer import (
 )
 
 from precompile_gen.capture_result import DeferredStep, SparseGradients
-from precompile_gen.codegen import convention
+from precompile_gen.capturing import convention
 from precompile_gen.runtime.errors import PrecompileError
 
 _SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)

@@ -13,7 +13,7 @@ from typing import Any, cast
 import torch
 import torch.utils._pytree as pytree
 
-from precompile_gen.codegen import convention
+from precompile_gen.capturing import convention
 from precompile_gen.runtime.errors import PrecompileError
 
 # How many elements a tensor literal may have to be kept in the artifact as text.

@@ -38,6 +38,7 @@ from precompile_gen.capture_result import (
     InputStrides,
     InputTree,
     LeafValue,
+    LocalShards,
     ModuleArgument,
     OptimizerArgument,
     ParamGroup,
@@ -51,6 +52,7 @@ from precompile_gen.capture_result import (
 from precompile_gen.capturing import (
     aliasing,
     branches,
+    convention,
     data_dependent,
     data_parallel,
     dtensors,
@@ -70,7 +72,6 @@ from precompile_gen.capturing import (
     update_order,
     value_sizes,
 )
-from precompile_gen.codegen import convention
 from precompile_gen.runtime.errors import (
     PrecompileError,
     PrecompileNotImplementedError,
@@ -139,6 +140,9 @@ class TracedGraph:
     # graph depends on.
     example_strides: InputStrides
     convention: CallConvention
+    # Where the graph was traced on DTensors' local shards, which inputs and outputs
+    # are shards.
+    local_shards: LocalShards | None = None
 
 
 def _warn_of_hooks(
@@ -1053,8 +1057,6 @@ def _record(
         process_groups=data_parallel.process_groups(gm, call.modules),
         data_parallel=_data_parallel_records(call),
         dtensors=inputs.dtensor_layouts,
-        shard_inputs={} if local is None else local.inputs,
-        shard_outputs={} if local is None else local.outputs,
         sparse_gradients=updates.sparse_gradients,
         deferred_steps=updates.deferred_steps,
         pytree_types=list(dict.fromkeys(user.input_types + harvest.pytree_types)),
@@ -1062,7 +1064,8 @@ def _record(
         index_checks=checks,
         **_branch_records(harvest, merged),
     )
-    return TracedGraph(gm, flat_args, constants, example_strides, convention)
+    shards = None if local is None else LocalShards(local.inputs, local.outputs)
+    return TracedGraph(gm, flat_args, constants, example_strides, convention, shards)
 
 
 def _branch_records(harvest: _Harvest, merged: branches.Merged) -> dict[str, Any]:

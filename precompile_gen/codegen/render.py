@@ -33,6 +33,7 @@ from precompile_gen.capture_result import (
     StateTensor,
     TensorLiteral,
 )
+from precompile_gen.codegen.features import DriverFeatures, driver_features
 from precompile_gen.codegen.layout import (
     assignment,
     columns,
@@ -89,32 +90,19 @@ RUNTIME_PARTS: tuple[str, ...] = (
     "captured_graph",
     "compiled_graph",
 )
+# The parts every artifact carries; the others come with the features that call them
+# (``features.FEATURES``).
+BASE_PARTS = ("support", "calls")
 # The parts that read no metadata when executed: capture and inspect run them.
 CONVENTION_PARTS = ("support", "pytree_types", "gradients")
 _PART_HEADING = "\n# --- "
 
 
 def runtime_parts(features: DriverFeatures) -> tuple[str, ...]:
-    """The runtime support's parts that an artifact with ``features`` carries."""
-    wanted = {
-        "support": True,
-        "pytree_types": features.pytree_types,
-        "gradients": features.gradients
-        or features.grad_resets
-        or features.skippable_step,
-        "dict_inputs": features.dict_inputs,
-        "calls": True,
-        "dtensors": features.dtensors,
-        "layouts": features.layouts,
-        "index_checks": features.index_checks,
-        "deferred_steps": features.deferred_steps,
-        "skipped_steps": features.skippable_step,
-        "optimizers": features.optimizers,
-        "process_groups": features.process_groups or features.data_parallel,
-        "captured_graph": not features.compiled,
-        "compiled_graph": features.compiled,
-    }
-    return tuple(part for part in RUNTIME_PARTS if wanted[part])
+    """The runtime support's parts that an artifact with ``features`` carries: the
+    base parts, and those its features' steps call."""
+    wanted = {*BASE_PARTS, *features.parts()}
+    return tuple(part for part in RUNTIME_PARTS if part in wanted)
 
 
 @functools.cache
@@ -164,105 +152,6 @@ def environment() -> jinja2.Environment:
     return env
 
 
-@dataclass(frozen=True)
-class DriverFeatures:
-    """What of the driver a capture needs: each flag adds a step to section 3's
-    forward() (driver/forward.py.j2) or a part to the runtime support
-    (``runtime_parts``), so an artifact carries only the checks and the work its
-    capture calls for."""
-
-    # The compiled graph (inductor) rather than the captured ATen graph (eager).
-    compiled: bool
-    # Every non-module argument is one tensor (no nesting, no other values).
-    tensor_arguments: bool
-    # bool/int/float/str leaves built into the graph (the header says so).
-    values: bool
-    # mark_unbacked dims: their bounds, and dims that must share a size.
-    dynamic_dims: bool
-    shared_sizes: bool
-    # Namedtuple and dataclass types the specs name, imported when loaded.
-    pytree_types: bool
-    # Dicts among the inputs, which a call may pass with their keys in another order.
-    dict_inputs: bool
-    # Inputs that shared a storage at capture.
-    aliasing: bool
-    # Inputs the graph updates in place: an inference tensor passed there is refused,
-    # as eager refuses to write to it.
-    inference_writes: bool
-    # Inductor's strides, on the module state and on the input leaves.
-    state_layouts: bool
-    leaf_layouts: bool
-    gradients: bool
-    grad_resets: bool
-    # Optimizer arguments whose state and lr the graph takes.
-    optimizers: bool
-    # Outputs the function returned as t.item(), which the driver converts.
-    scalar_outputs: bool
-    # Collectives over process groups, and DistributedDataParallel arguments.
-    process_groups: bool
-    data_parallel: bool
-    # DTensor graph inputs, whose mesh shapes and placements the driver checks.
-    dtensors: bool = False
-    # The compiled graph takes DTensor inputs' local shards and returns its DTensor
-    # results' (inductor), which the driver unwraps and wraps.
-    local_shards: bool = False
-    # Sparse gradients the driver builds from the graph's outputs, and the optimizer
-    # steps it takes for them after the graph.
-    sparse_gradients: bool = False
-    deferred_steps: bool = False
-    # Indices the graph takes from input leaves, checked against their range.
-    index_checks: bool = False
-    # Float leaves the graph takes as 0-dim float64 tensors (NUMBER_INPUTS).
-    number_inputs: bool = False
-    # Branches on tensor values in the graph: it may refuse a call's side, so the
-    # .grad resets wait for it. A path through them that skips the step
-    # (SKIPPABLE_STEP), and resets of the step's own (STEP_RESETS).
-    value_branches: bool = False
-    skippable_step: bool = False
-    step_resets: bool = False
-
-    @property
-    def layouts(self) -> bool:
-        return self.state_layouts or self.leaf_layouts
-
-
-def driver_features(cap: CaptureResult) -> DriverFeatures:
-    conv = cap.convention
-    leaves = conv.leaves
-    inductor = cap.backend == "inductor"
-    strides = cap.graph.input_strides
-    state_strides = [*strides.params, *strides.buffers, *strides.optimizer_state]
-    return DriverFeatures(
-        compiled=inductor,
-        tensor_arguments=conv.in_tree.flat
-        and all(leaf.shape is not None for leaf in leaves),
-        values=any(leaf.value is not None for leaf in leaves),
-        dynamic_dims=any(leaf.bounds for leaf in leaves),
-        shared_sizes=any(leaf.symbols for leaf in leaves),
-        pytree_types=bool(conv.pytree_types),
-        dict_inputs=conv.in_tree.holds_dicts,
-        aliasing=bool(conv.aliased_inputs),
-        inference_writes=bool(conv.mutated_inputs),
-        state_layouts=inductor and any(stride is not None for stride in state_strides),
-        leaf_layouts=inductor and any(stride is not None for stride in strides.leaves),
-        gradients=bool(conv.grad_param_indices),
-        grad_resets=bool(conv.grad_resets),
-        optimizers=bool(conv.optimizers),
-        scalar_outputs=bool(conv.scalar_outputs),
-        process_groups=bool(conv.process_groups),
-        data_parallel=bool(conv.data_parallel),
-        dtensors=bool(conv.dtensors),
-        local_shards=bool(conv.shard_inputs),
-        sparse_gradients=conv.sparse_gradients is not None,
-        deferred_steps=bool(conv.deferred_steps),
-        index_checks=bool(conv.index_checks),
-        number_inputs=any(leaf.number for leaf in leaves),
-        value_branches=bool(conv.value_branches),
-        skippable_step=conv.skippable_step,
-        step_resets=bool(conv.step_resets),
-    )
-
-
 def _argument_kinds(conv: CallConvention) -> list[str]:
     """Each positional argument's kind: "module", "optimizer" or "input"."""
     modules = {module.position for module in conv.modules}
@@ -292,11 +181,6 @@ class DriverSection:
     signature: str
     # forward()'s docstring, laid out as black leaves it (quotes included).
     docstring: list[str]
-    # The graph's inputs, as forward() lists them.
-    graph_inputs: str
-    # _checked_state's arguments: the call, the modules, and the capture's own
-    # checks of the module state.
-    state_checks: list[str]
     # The sparse gradients the driver builds from the graph's last outputs.
     sparse_gradients: SparseGradients | None
 
@@ -317,22 +201,11 @@ def driver_section(cap: CaptureResult, features: DriverFeatures) -> DriverSectio
         f"Run {call} as captured: each call is held to the capture (section 2) "
         f"before the {graph} runs. " + "; ".join(outcomes) + "."
     )
-    extra = [
-        *(["*optimizer_inputs"] if features.optimizers else []),
-        *(["*TENSOR_LITERALS"] if cap.graph.tensor_literals else []),
-    ]
     return DriverSection(
         call=call,
         user_positions=_user_positions(conv),
         signature=", ".join(conv.argument_names),
         docstring=docstring(text, indent=4),
-        graph_inputs="[" + ", ".join(["*state.tensors", "*leaves", *extra]) + "]",
-        state_checks=[
-            "args",
-            "modules",
-            *(["_check_state_layouts"] if features.state_layouts else []),
-            *(["_check_state_sharding"] if features.dtensors else []),
-        ],
         sparse_gradients=conv.sparse_gradients,
     )
 
@@ -439,9 +312,9 @@ class MetadataEntry(NamedTuple):
     """One constant as section 2 writes it: the comment lines above its assignment."""
 
     comment: list[str]
+    name: str
+    annotation: str
     value: object
-    # "NAME: annotation", the assignment's target.
-    declaration: str
 
 
 _INPUTS_AT_A_GLANCE = (
@@ -462,8 +335,9 @@ def metadata_entries(cap: CaptureResult) -> list[MetadataEntry]:
         entries.append(
             MetadataEntry(
                 [*comment_lines(text), *drawings.get(constant.name, [])],
+                constant.name,
+                constant.annotation,
                 values[constant.name],
-                f"{constant.name}: {constant.annotation}",
             )
         )
     return entries

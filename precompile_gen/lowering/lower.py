@@ -108,6 +108,7 @@ def _compiled_graph(traced: TracedGraph, graph: _LoweredGraph) -> CompiledGraph:
             traced.example_strides, graph, traced.convention.mutated_inputs
         ),
         backend_graph=graph.backend_graph,
+        local_shards=traced.local_shards,
     )
 
 

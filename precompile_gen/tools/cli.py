@@ -24,7 +24,6 @@ examples:
   precompile-gen inspect step.py           what an artifact holds and expects
   precompile-gen verify step.py step.cache check that the two files belong together
   precompile-gen diff old.py new.py        compare two artifacts section by section
-  precompile-gen stubs build/stubs         render every template for type checking
 
 Run `precompile-gen COMMAND --help` for each command's options and examples.
 """
@@ -70,12 +69,6 @@ examples:
 
 Exits 0 when the artifacts are identical, 1 when they differ, 2 on an error (as
 diff does). Hunk headers give the artifacts' own line numbers.
-"""
-
-_STUBS_EPILOG = """\
-examples:
-  precompile-gen stubs build/stubs
-  precompile-gen stubs build/stubs && pyrefly check -c pyproject.toml build/stubs/*.py
 """
 
 # What add_subparsers returns: each command adds its own parser to it.
@@ -149,14 +142,6 @@ def _diff(args: argparse.Namespace) -> int:
     return 1 if differs else 0
 
 
-def _stubs(args: argparse.Namespace) -> int:
-    from precompile_gen.codegen.stubs import write_stubs
-
-    for path in write_stubs(Path(args.out_dir)):
-        print(path)
-    return 0
-
-
 def _read_bytes(path: str, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
@@ -214,7 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(commands)
     _add_verify(commands)
     _add_diff(commands)
-    _add_stubs(commands)
     return parser
 
 
@@ -320,21 +304,6 @@ def _add_diff(commands: _Commands) -> None:
         help="lines of context around each change (default 3)",
     )
     diff.set_defaults(run=_diff)
-
-
-def _add_stubs(commands: _Commands) -> None:
-    stubs = commands.add_parser(
-        "stubs",
-        help="render every template into .py files for type checking",
-        description=_wrap(
-            "Render each backend's artifact with typed placeholder metadata and a "
-            "typed stand-in for the compiled graph, for `pyrefly check OUT_DIR`."
-        ),
-        epilog=_STUBS_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    stubs.add_argument("out_dir", help="folder for the stub files (created)")
-    stubs.set_defaults(run=_stubs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from torch.utils import _pytree as pytree
 
-from precompile_gen.codegen import convention
+from precompile_gen.capturing import convention
 from precompile_gen.codegen.sections import Section, split_sections
 from precompile_gen.runtime.load import metadata_of, parse_artifact
 from precompile_gen.runtime.metadata_types import Metadata

@@ -12,11 +12,11 @@ import re
 
 import pytest
 import torch
+from helpers.stubs import replace_convention, stub_capture
 from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.capturing.graph_names import argument_names
-from precompile_gen.codegen.stubs import replace_convention, stub_capture
 from precompile_gen.tools.inspection import inspect_artifact
 
 

@@ -1,14 +1,15 @@
 """Renders both stub artifacts and prints whether black was imported.
 
-python render_without_black_child.py
+PYTHONPATH=tests python render_without_black_child.py
 """
 
 from __future__ import annotations
 
 import sys
 
+from helpers.stubs import stub_capture
+
 import precompile_gen
-from precompile_gen.codegen.stubs import stub_capture
 
 
 def main() -> None:

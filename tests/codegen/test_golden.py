@@ -38,12 +38,12 @@ from helpers.golden import (
     runtime_parts,
     split_runtime,
 )
+from helpers.stubs import STUBS
 
 import precompile_gen as pg
 from precompile_gen.capture_result import BACKENDS, Backend
 from precompile_gen.codegen import render
 from precompile_gen.codegen.sections import Section, sections_by_key
-from precompile_gen.codegen.stubs import STUBS
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 
 import pytest
+from helpers.stubs import STUBS, no_features_capture
 
 import precompile_gen as pg
 from precompile_gen import metadata
 from precompile_gen.capture_result import BACKENDS, Backend
-from precompile_gen.codegen.stubs import STUBS, no_features_capture
 
 VARIANTS = [(backend, variant) for backend in BACKENDS for variant in STUBS]
 

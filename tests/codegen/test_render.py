@@ -18,22 +18,19 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from helpers.golden import CASES
-
-import precompile_gen as pg
-from precompile_gen.capture_result import Backend, InputLeaf, InputStrides, StateTensor
-from precompile_gen.capturing.trace import input_tree
-from precompile_gen.codegen.layout import assignment, format_python
-from precompile_gen.codegen.render import (
-    GRAPH_MARKER,
-    driver_features,
-    render_skeleton,
-    runtime_parts,
-)
-from precompile_gen.codegen.stubs import (
+from helpers.processes import env_with_helpers
+from helpers.stubs import (
     replace_backend_graph,
     replace_convention,
     stub_capture,
 )
+
+import precompile_gen as pg
+from precompile_gen.capture_result import Backend, InputLeaf, InputStrides, StateTensor
+from precompile_gen.capturing.trace import input_tree
+from precompile_gen.codegen.features import driver_features
+from precompile_gen.codegen.layout import assignment, format_python
+from precompile_gen.codegen.render import GRAPH_MARKER, render_skeleton, runtime_parts
 from precompile_gen.metadata import METADATA_NAMES, metadata_constants
 
 
@@ -180,7 +177,11 @@ def test_assignment_lays_out_lines_near_the_limit_as_black_does(target: str) -> 
 def test_render_does_not_run_black() -> None:
     child = Path(__file__).with_name("render_without_black_child.py")
     done = subprocess.run(
-        [sys.executable, str(child)], capture_output=True, text=True, check=False
+        [sys.executable, str(child)],
+        env=env_with_helpers(),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers.stubs import STUBS, write_stubs
+
 from precompile_gen.capture_result import BACKENDS
+from precompile_gen.codegen.features import FEATURES, driver_features
 from precompile_gen.codegen.layout import format_python
 from precompile_gen.codegen.render import (
     RUNTIME_PARTS,
-    DriverFeatures,
-    driver_features,
     environment,
     runtime_support_dir,
 )
-from precompile_gen.codegen.stubs import STUBS
-from precompile_gen.tools.cli import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,19 +74,22 @@ def test_stubs_render_each_driver_feature_both_on_and_off() -> None:
         for backend in BACKENDS
         for make in STUBS.values()
     ]
-    flags = [
-        field.name
-        for field in dataclasses.fields(DriverFeatures)
-        if field.type in ("bool", bool)
-    ]
-    assert len(flags) >= 10
-    for flag in [*flags, "layouts"]:
-        values = {getattr(f, flag) for f in features}
-        assert values == {True, False}, flag
+    for feature in FEATURES:
+        values = {getattr(f, feature.name) for f in features}
+        assert values == {True, False}, feature.name
 
 
-def test_stubs_command_writes_black_formatted_modules(tmp_path: Path) -> None:
-    assert main(["stubs", str(tmp_path)]) == 0
+def test_stubs_script_writes_black_formatted_modules(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "stubs.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(Path(line).name for line in done.stdout.splitlines()) == sorted(
+        f"{b}_{v}.py" for b in BACKENDS for v in STUBS
+    )
     written = sorted(p.name for p in tmp_path.glob("*.py"))
     assert written == sorted(f"{b}_{v}.py" for b in BACKENDS for v in STUBS)
     for path in tmp_path.glob("*.py"):
@@ -99,7 +100,7 @@ def test_stubs_command_writes_black_formatted_modules(tmp_path: Path) -> None:
 
 
 def test_pyrefly_finds_no_errors_in_stubs(tmp_path: Path) -> None:
-    assert main(["stubs", str(tmp_path)]) == 0
+    write_stubs(tmp_path)
     files = [str(p) for p in sorted(tmp_path.glob("*.py"))]
     result = subprocess.run(
         [sys.executable, "-m", "pyrefly", "check", "-c", "pyproject.toml", *files],
@@ -115,7 +116,7 @@ def test_pyrefly_finds_no_errors_in_stubs(tmp_path: Path) -> None:
 
 def test_pyrefly_catches_a_type_error_in_a_stub(tmp_path: Path) -> None:
     # Guards the check above against passing vacuously (e.g. the lax preset).
-    assert main(["stubs", str(tmp_path)]) == 0
+    write_stubs(tmp_path)
     bad = tmp_path / "eager_all_features.py"
     bad.write_text(
         bad.read_text(encoding="utf-8") + "\nmodule_state(3)\n", encoding="utf-8"

@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
+from helpers.stubs import replace_convention, stub_capture
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 
 def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -209,7 +209,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 738aca2f8240dfe6326b1c90af78c3fea7f6f5a6dbd06881a417870be1a6f275)
+# 4. Runtime support: support + calls + index_checks + captured_graph (sha256 36cd10a4585be958c73a6a14a5bc500f752c0c41fc38b7cf2256aa98468761c8)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

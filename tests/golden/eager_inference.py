@@ -175,7 +175,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + captured_graph (sha256 63a719b272a1aa239019fa6061bec5d84e1984f584811d74d1a70967284645f4)
+# 4. Runtime support: support + calls + captured_graph (sha256 f9e63af8a05a3d55ee8804483000ba4c49320f16f1e58bdece53451d947a85ed)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -224,7 +224,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 db2496c296de80ad5eb9c0828a79e65c863bb2ec22a228ed23156ecb4d03d070)
+# 4. Runtime support: support + dict_inputs + calls + captured_graph (sha256 cbae07640b994c9a0a663e6256a15b9d13c77274c80350005e88078e3dcac00c)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

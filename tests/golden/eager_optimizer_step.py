@@ -296,7 +296,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 040693f94bf64da30b127bc62372970983ad42737e303838eb6b26e375a99185)
+# 4. Runtime support: support + gradients + calls + optimizers + captured_graph (sha256 d4796a473c4b47711b00baf5d19d54454b2ebb857caf2d402943009629807139)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

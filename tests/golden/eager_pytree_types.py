@@ -190,7 +190,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 2f7599e69ac86c94588340f71d8172ca5b59a79940c0648a87938ab01e458698)
+# 4. Runtime support: support + pytree_types + calls + captured_graph (sha256 f2c463b29ffc2c7014e6e5afde3728d43645b458404c4a9e8b5635a152073e49)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -205,7 +205,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + captured_graph (sha256 ee904af4f66aa25aeb01bb7bf0b5ba45aef528f12824f8853411f24077d0dfb7)
+# 4. Runtime support: support + gradients + calls + captured_graph (sha256 67b3104a04a9bf20c9a69174e329a16088c92e8af6ca94b55b882be38319fb73)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -390,7 +390,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 62c562d7cc72531dc9293959f3a60e131ea2751a465abd9784293e73448bebeb)
+# 4. Runtime support: support + calls + layouts + compiled_graph (sha256 38971400e41e9e46967de387cfe13717b6289042582be7a40aa152ee1c58d240)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -1955,7 +1955,7 @@ def forward(*args: object, **keywords: object) -> object:
 
 
 # ====================================================================================
-# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 2116ae6a55f60c9a2d0dfc222c54d712a8de30d924486b13fd1e5f8dcad51d59)
+# 4. Runtime support: support + gradients + calls + layouts + optimizers + compiled_graph (sha256 b8d215e0d4825daadf6443b67c0f427b0f40b232491330d8b449ad4d8b4925ed)
 # ====================================================================================
 # (its text: its parts in tests/golden/runtime/, pinned once for every golden)
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import precompile_gen as pg
 from helpers import triton_programs
+from helpers.stubs import replace_convention
 from precompile_gen.capture_result import (
     CallConvention,
     CompiledGraph,
@@ -35,7 +36,6 @@ from precompile_gen.capture_result import (
 )
 from precompile_gen.codegen import render
 from precompile_gen.codegen.sections import sections_by_key
-from precompile_gen.codegen.stubs import replace_convention
 from precompile_gen.lowering import inductor_imports, inductor_module, lower
 from precompile_gen.runtime import kernel_binaries
 

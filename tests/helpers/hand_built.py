@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import precompile_gen as pg
+from helpers.stubs import replace_convention, stub_capture
 from precompile_gen.capture_result import (
     InputLeaf,
     InputStrides,
     ModuleArgument,
     StateTensor,
 )
-from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 
 def hand_built_capture() -> pg.CaptureResult:

@@ -112,9 +112,8 @@ def test_a_module_without_kernels_is_left_alone() -> None:
 
 
 def test_the_stand_in_for_assert_tensor_metadata_checks_as_inductors_does() -> None:
+    from helpers.stubs import stub_capture
     from torch._inductor.runtime.runtime_utils import assert_tensor_metadata
-
-    from precompile_gen.codegen.stubs import stub_capture
 
     namespace: dict[str, object] = {}
     exec(pg.render_artifact(stub_capture("inductor")), namespace)

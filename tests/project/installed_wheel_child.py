@@ -16,7 +16,10 @@ from torch import nn
 
 import precompile_gen as pg
 import precompile_gen.codegen.render
-from precompile_gen.codegen.stubs import stub_capture
+
+# The tests' helpers, for the hand-built capture; precompile_gen is not there.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from helpers.stubs import stub_capture
 
 
 def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.stubs import stub_capture
 from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.capture_result import Backend
-from precompile_gen.codegen.stubs import stub_capture
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,9 @@ import hashlib
 
 from helpers.hand_built import hand_built_capture
 from helpers.small_net import example, train_step
+from helpers.stubs import stub_capture
 
 import precompile_gen as pg
-from precompile_gen.codegen.stubs import stub_capture
 
 
 def main() -> None:

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.stubs import replace_convention, stub_capture
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import precompile_gen as pg
 from precompile_gen.capture_result import CaptureResult
-from precompile_gen.codegen.stubs import replace_convention, stub_capture
 
 NO_CUDA = pytest.mark.skipif(
     torch.cuda.is_available(), reason="needs a machine without CUDA"

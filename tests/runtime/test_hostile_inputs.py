@@ -28,12 +28,12 @@ from typing import Any
 import pytest
 import torch
 from helpers.linear_step import example_input, linear_model, train_step
+from helpers.stubs import stub_capture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import precompile_gen as pg
 from precompile_gen.capture_result import BACKENDS
-from precompile_gen.codegen.stubs import stub_capture
 from precompile_gen.metadata import METADATA_NAMES
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import (

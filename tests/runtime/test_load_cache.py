@@ -24,11 +24,11 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from helpers.stubs import stub_capture
 from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.capture_result import Backend
-from precompile_gen.codegen.stubs import stub_capture
 from precompile_gen.metadata import (
     METADATA_NAMES,
     REQUIRED_NAMES,

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 from helpers.linear_step import example_input, linear_model, train_step
+from helpers.stubs import stub_capture
 from torch import nn
 
 import precompile_gen as pg
 from precompile_gen.capture_result import KernelPayload
-from precompile_gen.codegen.stubs import stub_capture
 from precompile_gen.runtime import cache as cache_module
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.cache import build_cache, signature

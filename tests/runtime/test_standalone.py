@@ -17,9 +17,9 @@ import pytest
 from helpers.hand_built import hand_built_capture
 from helpers.processes import TESTS_DIR, env_with_helpers
 from helpers.small_net import example, train_step
+from helpers.stubs import stub_capture
 
 import precompile_gen as pg
-from precompile_gen.codegen.stubs import stub_capture
 from precompile_gen.metadata import metadata_constants
 
 HERE = Path(__file__).parent

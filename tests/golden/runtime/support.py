@@ -6,7 +6,7 @@
 # 3's by name, as the functions of one module do. The section's title holds this text's
 # sha256, so a reviewer can tell it is the known text without reading it again. This
 # base part reads no metadata when it is executed, so that capture and inspect run the
-# same code (precompile_gen.codegen.convention).
+# same code (precompile_gen.capturing.convention).
 import bisect
 import re
 import reprlib

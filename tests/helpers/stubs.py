@@ -31,6 +31,7 @@ from precompile_gen.capture_result import (
     InputStrides,
     InputTree,
     KernelPayload,
+    LocalShards,
     ModuleArgument,
     OptimizerArgument,
     OptimizerStateTensor,
@@ -336,8 +337,7 @@ def _distributed(capture: CaptureResult) -> CaptureResult:
     """``capture`` with a process group, a DDP argument and DTensor inputs."""
     # The eager backend replays DTensor ops (``on_shards_capture``: unless traced on
     # the local shards); inductor computes on shards.
-    eager = capture.backend == "eager"
-    return replace_convention(
+    distributed = replace_convention(
         capture,
         process_groups=[ProcessGroupRecord("0", "gloo", [0, 1])],
         data_parallel=[DataParallelArgument(0, "0", False, 25.0)],
@@ -345,26 +345,28 @@ def _distributed(capture: CaptureResult) -> CaptureResult:
             0: DTensorLayout((2,), ("Shard(dim=0)",)),
             2: DTensorLayout((2,), ("Replicate()",)),
         },
-        shard_inputs={} if eager else _SHARD_INPUTS,
-        shard_outputs={} if eager else _SHARD_OUTPUTS,
     )
+    if capture.backend == "eager":
+        return distributed
+    return _on_shards(distributed)
 
 
-_SHARD_INPUTS = {
-    0: ShardInput(("0",), ("Shard(dim=0)",), (1, 4)),
-    2: ShardInput(("0",), ("Replicate()",), (2, 4)),
-}
-_SHARD_OUTPUTS = {0: ShardOutput(("Partial(sum)",), (2, 4), (4, 1))}
+def _on_shards(capture: CaptureResult) -> CaptureResult:
+    shards = LocalShards(
+        {
+            0: ShardInput(("0",), ("Shard(dim=0)",), (1, 4)),
+            2: ShardInput(("0",), ("Replicate()",), (2, 4)),
+        },
+        {0: ShardOutput(("Partial(sum)",), (2, 4), (4, 1))},
+    )
+    graph = dataclasses.replace(capture.graph, local_shards=shards)
+    return dataclasses.replace(capture, graph=graph)
 
 
 def on_shards_capture(backend: Backend) -> CaptureResult:
     """``all_features_capture`` traced on the local shards, as a fully_shard model's
     step is on either backend."""
-    return replace_convention(
-        all_features_capture(backend),
-        shard_inputs=_SHARD_INPUTS,
-        shard_outputs=_SHARD_OUTPUTS,
-    )
+    return _on_shards(all_features_capture(backend))
 
 
 def no_features_capture(backend: Backend) -> CaptureResult:
