@@ -8,7 +8,8 @@ from typing import Any
 
 from precompile_gen.capture_result import CaptureResult
 from precompile_gen.capturing import global_modes
-from precompile_gen.capturing.trace import check_arguments, function_name, trace
+from precompile_gen.capturing.graph_inputs import function_name
+from precompile_gen.capturing.trace import check_arguments, trace
 from precompile_gen.codegen.render import render_artifact
 from precompile_gen.lowering.lower import lower
 from precompile_gen.runtime import kernel_binaries

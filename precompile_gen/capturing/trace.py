@@ -15,11 +15,11 @@ switches between train and eval mode are put back as they were.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -28,29 +28,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from precompile_gen.capture_result import (
-    AliasGroup,
     Backend,
     CallConvention,
-    DataParallelArgument,
-    DeferredStep,
-    DTensorLayout,
-    InputLeaf,
     InputStrides,
-    InputTree,
-    LeafValue,
     LocalShards,
-    ModuleArgument,
     OptimizerArgument,
     ParamGroup,
     PythonValue,
-    Shape,
-    SparseGradients,
-    StateTensor,
-    Strides,
     check_backend,
 )
 from precompile_gen.capturing import (
-    aliasing,
     branches,
     convention,
     data_dependent,
@@ -62,11 +49,12 @@ from precompile_gen.capturing import (
     global_modes,
     grad_resets,
     graph_checks,
-    graph_names,
+    graph_inputs,
     index_checks,
     optimizers,
     python_state,
     pytree_types,
+    records,
     sparse_gradients,
     tensor_literals,
     update_order,
@@ -76,15 +64,10 @@ from precompile_gen.runtime.errors import (
     PrecompileError,
     PrecompileNotImplementedError,
     PrecompileValueError,
-    listed,
 )
 from precompile_gen.tools import timings
 
 log = logging.getLogger(__name__)
-
-
-def function_name(fn: object) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def check_arguments(fn: object, backend: str, tracer: str) -> Backend:
@@ -100,25 +83,6 @@ def check_arguments(fn: object, backend: str, tracer: str) -> Backend:
             f"{type(fn).__name__}."
         )
     return check_backend(backend)
-
-
-@dataclass
-class ModuleState:
-    """The modules' parameters then buffers, each tensor once (tied weights are one
-    entry), with the names and per-module bindings used to reparametrise them."""
-
-    tensors: list[torch.Tensor]
-    param_names: list[str]
-    buffer_names: list[str]
-    # (module index, attribute path, index into ``tensors``) for every attribute that
-    # holds one, aliases of tied weights included, so each module can be
-    # reparametrised completely; a submodule reachable by several paths is bound by
-    # the first only, since all its paths name one attribute.
-    bindings: list[tuple[int, str, int]]
-
-    @property
-    def num_params(self) -> int:
-        return len(self.param_names)
 
 
 @dataclass
@@ -145,50 +109,6 @@ class TracedGraph:
     local_shards: LocalShards | None = None
 
 
-def _warn_of_hooks(
-    module_hooks: list[dict[str, dict[str, int]]], global_module_hooks: dict[str, int]
-) -> None:
-    # A hook's tensor computations are traced into the graph (spectral_norm's and
-    # pruning's pre-hooks compute the weight), but the artifact never calls the hook
-    # itself: what it does besides (recording activations, logging) happens once,
-    # now. Worth a word, not a refusal.
-    hooked = [
-        f"{'m' + str(index) + '.' if len(module_hooks) > 1 else ''}{name or '<root>'}"
-        for index, hooks in enumerate(module_hooks)
-        for name in hooks
-    ]
-    if global_module_hooks:
-        hooked.append("every module (global module hooks)")
-    if hooked:
-        log.warning(
-            "module hooks are traced into the graph, and the artifact never calls "
-            "them: what they compute on tensors is built in, but anything else they "
-            "do (recording, logging) happens only now, at capture. Hooked: %s.",
-            listed(hooked, str),
-        )
-
-
-def lift_module_state(modules: list[torch.nn.Module]) -> ModuleState:
-    """The graph's leading inputs as the calling convention gathers them
-    (``convention.module_state``), with the bindings that reparametrise each module
-    completely, aliases of tied tensors included."""
-    tensors, names, num_params = convention.module_state(modules)
-    index_of = {id(tensor): index for index, tensor in enumerate(tensors)}
-    bindings = []
-    # Swapping one attribute twice in one reparametrisation would restore it to the
-    # first swap's tensor, replacing the user's parameter, so each is bound once.
-    bound: set[tuple[int, str]] = set()
-    for mi, module in enumerate(modules):
-        for kind in ("named_parameters", "named_buffers"):
-            for name, tensor in convention.named_members([module], kind):
-                owner_path, _, attribute = name.rpartition(".")
-                slot = (id(module.get_submodule(owner_path)), attribute)
-                if slot not in bound:
-                    bound.add(slot)
-                    bindings.append((mi, name, index_of[id(tensor)]))
-    return ModuleState(tensors, names[:num_params], names[num_params:], bindings)
-
-
 def trace(
     fn: Callable[..., object],
     example_inputs: tuple[object, ...],
@@ -197,18 +117,24 @@ def trace(
     decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> TracedGraph:
     """Trace ``fn(*example_inputs)``; reject what the artifact could not reproduce."""
-    call = _classify_arguments(fn, example_inputs)
+    call = graph_inputs.classify_arguments(fn, example_inputs)
     # First, on copies: refuses Python effects before the trace would make them.
     with data_parallel.in_place_as_functional():
         python_values = python_state.observe(
             fn, data_parallel.observable(example_inputs)
         )
-    modes = _read_module_modes(call.modules)
-    traced = functools.partial(
-        _trace_graph, fn, example_inputs, call, modes, python_values, backend
+    capture = _Capture(
+        fn,
+        example_inputs,
+        call,
+        graph_inputs.read_module_modes(call.modules),
+        python_values,
+        backend,
+        decompositions,
+        numbers=True,
     )
     try:
-        return traced(decompositions, numbers=True)
+        return _trace_graph(capture)
     except Exception:
         if not any(
             type(leaf) is float for leaf in pytree.tree_leaves(call.user_inputs)
@@ -218,37 +144,33 @@ def trace(
     # that takes only a Python float, a check of their type): they are built in,
     # as the example's values, and the driver holds each call to them.
     log.debug("traced again with the float arguments built in")
-    return traced(decompositions, numbers=False)
+    return _trace_graph(dataclasses.replace(capture, numbers=False))
 
 
-def _trace_graph(
-    fn: Callable[..., object],
-    example_inputs: tuple[object, ...],
-    call: _Arguments,
-    modes: _ModuleModes,
-    python_values: list[PythonValue],
-    backend: Backend,
-    decompositions: dict[Any, Callable[..., Any]] | None,
-    *,
-    numbers: bool,
-) -> TracedGraph:
-    """make_fx's graph of fn and its calling convention; with ``numbers``, fn's
-    float arguments are graph inputs. A branch on a tensor's value is traced both
-    ways and becomes a torch.cond (``branches``)."""
-    traced = functools.partial(
-        _trace_path,
-        fn,
-        example_inputs,
-        call,
-        modes,
-        python_values,
-        backend,
-        decompositions,
-        numbers,
-    )
-    found = branches.explore(traced)
+@dataclass(frozen=True)
+class _Capture:
+    """What every trace of one capture shares: fn and its example call, with the
+    arguments sorted, the modules' modes and the Python values read before any
+    trace, and how to trace."""
+
+    fn: Callable[..., object]
+    example_inputs: tuple[object, ...]
+    call: graph_inputs.Arguments
+    modes: graph_inputs.ModuleModes
+    python_values: list[PythonValue]
+    backend: Backend
+    decompositions: dict[Any, Callable[..., Any]] | None
+    # Whether fn's float arguments are graph inputs (else built in as the example's).
+    numbers: bool
+
+
+def _trace_graph(capture: _Capture) -> TracedGraph:
+    """make_fx's graph of fn and its calling convention. A branch on a tensor's
+    value is traced both ways and becomes a torch.cond (``branches``)."""
+    fn, call = capture.fn, capture.call
+    found = branches.explore(functools.partial(_trace_path, capture))
     path = cast(_PathState, found.paths[0].payload)
-    lifted, user, inputs, harvest = path.lifted, path.user, path.inputs, path.harvest
+    lifted, user, inputs = path.lifted, path.user, path.inputs
     merged = branches.Merged(found.paths[0].gm, [], None)
     if found.paths[0].reads:
         _reject_branches_with(path, call.fn_name)
@@ -259,62 +181,42 @@ def _trace_graph(
     )
     value_sizes.reject_pinned_sizes(gm, call.fn_name)
     dynamic_dims.reject_constrained_dims(user.symbolic, call.fn_name)
-    updates = _read_updates(gm, call, lifted, inputs, harvest, mutated)
+    updates = _read_updates(gm, call, lifted, inputs, path.harvest, mutated)
     constants = _constants_as_inputs(gm, fn, call, user.symbolic, inputs.flat_args)
     if found.paths[0].reads:
         # Each path's graph was checked as it was traced; the merge made a new one.
         graph_checks.check_graph_ops(gm)
     _hoist_updates(gm, lifted.state, inputs)
-    local = _local_graph(gm, path.on_shards, inputs, backend, decompositions)
-    return _record(
-        gm,
-        local,
-        call,
-        modes,
-        python_values,
-        lifted,
-        user,
-        inputs,
-        harvest,
-        updates,
-        constants,
-        merged,
+    local = _local_graph(
+        gm, path.on_shards, inputs, capture.backend, capture.decompositions
     )
+    return _record(capture, gm, local, path, updates, constants, merged)
 
 
 @dataclass
 class _PathState:
     """What one trace of fn traced on and learnt, besides its graph."""
 
-    lifted: _LiftedState
-    user: _UserLeaves
-    inputs: _GraphInputs
-    harvest: _Harvest
+    lifted: graph_inputs.LiftedState
+    user: graph_inputs.UserLeaves
+    inputs: graph_inputs.GraphInputs
+    harvest: records.Harvest
     on_shards: dtensors.LocalTrace | None
     # The positions of the graph inputs the trace updated in place.
     mutated: list[int]
 
 
-def _trace_path(
-    fn: Callable[..., object],
-    example_inputs: tuple[object, ...],
-    call: _Arguments,
-    modes: _ModuleModes,
-    python_values: list[PythonValue],
-    backend: Backend,
-    decompositions: dict[Any, Callable[..., Any]] | None,
-    numbers: bool,
-    forced: tuple[bool, ...],
-) -> branches.PathTrace:
+def _trace_path(capture: _Capture, forced: tuple[bool, ...]) -> branches.PathTrace:
     """One trace of fn, on fresh copies of the inputs, its first branches on tensor
     values held to ``forced``."""
-    lifted = _lift_state(call, example_inputs)
-    user = _flatten_user_inputs(call, lifted.state, backend, numbers)
-    inputs = _graph_inputs(lifted, user, backend)
-    harvest = _Harvest(grad_enabled=torch.is_grad_enabled())
-    flat_fn = _flat_function(
-        fn, example_inputs, call, modes, lifted, user, inputs, harvest
+    fn, call, backend = capture.fn, capture.call, capture.backend
+    lifted = graph_inputs.lift_state(call, capture.example_inputs)
+    user = graph_inputs.flatten_user_inputs(
+        call, lifted.state, backend, capture.numbers
     )
+    inputs = graph_inputs.lay_out(lifted, user, backend)
+    harvest = records.Harvest(grad_enabled=torch.is_grad_enabled())
+    flat_fn = _flat_function(capture, lifted, user, inputs, harvest)
     generators = python_state.torch_generators(call.modules, user.leaves)
     # A fully_shard model's trace runs on local shards (``fully_sharded``).
     on_shards = (
@@ -323,7 +225,7 @@ def _trace_path(
         else None
     )
     with (
-        python_state.kept_as_found(example_inputs, python_values),
+        python_state.kept_as_found(capture.example_inputs, capture.python_values),
         branches.following(forced) as reads,
     ):
         gm = _make_fx(
@@ -332,7 +234,7 @@ def _trace_path(
             flat_fn,
             inputs.flat_args,
             user.symbolic,
-            decompositions,
+            capture.decompositions,
             harvest.raised_by_fn,
             on_shards,
         )
@@ -344,7 +246,9 @@ def _trace_path(
     return branches.PathTrace(gm, reads, _agreement(state), _step(state), state)
 
 
-def _mutated_inputs(gm: torch.fx.GraphModule, inputs: _GraphInputs) -> list[int]:
+def _mutated_inputs(
+    gm: torch.fx.GraphModule, inputs: graph_inputs.GraphInputs
+) -> list[int]:
     """The module state and input leaves the trace updated in place."""
     # The trace ran fn for real (or on fakes), so an in-place update of an input
     # shows in its version counter. (An optimizer's state, after them, always is.)
@@ -357,7 +261,7 @@ def _mutated_inputs(gm: torch.fx.GraphModule, inputs: _GraphInputs) -> list[int]
             zip(inputs.flat_args, inputs.versions, strict=True)
         )
         if position < inputs.state_start
-        and (_version(arg) != before or position in written)
+        and (graph_inputs.version(arg) != before or position in written)
     ]
 
 
@@ -367,7 +271,7 @@ def _agreement(path: _PathState) -> dict[str, object]:
     harvest, lifted = path.harvest, path.lifted
     return {
         "what fn returns": (
-            _dump_out_spec(harvest.out_spec),
+            records.dump_out_spec(harvest.out_spec),
             harvest.pytree_types,
             harvest.scalar_outputs,
         ),
@@ -404,7 +308,7 @@ def _reject_branches_with(path: _PathState, fn_name: str) -> None:
 def _local_graph(
     gm: torch.fx.GraphModule,
     on_shards: dtensors.LocalTrace | None,
-    inputs: _GraphInputs,
+    inputs: graph_inputs.GraphInputs,
     backend: Backend,
     decompositions: dict[Any, Callable[..., Any]] | None,
 ) -> dtensors.LocalGraph | None:
@@ -423,341 +327,16 @@ def _local_graph(
     return None
 
 
-@dataclass
-class _Arguments:
-    """fn's positional arguments by what the trace does with each: module arguments
-    and supported optimizers are lifted to graph inputs, a SparseAdam is left to the
-    driver (no graph input either), and the rest are the user inputs."""
-
-    fn_name: str
-    # Messages name each argument by position and by fn's own name for it.
-    argument_names: list[str]
-    module_positions: list[int]
-    modules: list[torch.nn.Module]
-    optimizer_positions: list[int]
-    sparse_steppers: list[tuple[int, torch.optim.Optimizer]]
-    lifted_positions: list[int]
-    user_positions: list[int]
-    user_inputs: tuple[object, ...]
-
-
-def _classify_arguments(
-    fn: Callable[..., object], example_inputs: tuple[object, ...]
-) -> _Arguments:
-    """Sort fn's arguments, refusing the FSDP2 and DDP configurations the artifact
-    cannot keep before anything runs."""
-    fn_name = function_name(fn)
-    arguments = graph_names.argument_names(fn, len(example_inputs))
-    module_positions = [
-        i for i, a in enumerate(example_inputs) if isinstance(a, torch.nn.Module)
-    ]
-    modules = [cast(torch.nn.Module, example_inputs[i]) for i in module_positions]
-    for position, module in zip(module_positions, modules, strict=True):
-        where = convention.argument(position, arguments)
-        fully_sharded.check_module(module, where)
-        if data_parallel.is_data_parallel(module):
-            data_parallel.check_module(module, where)
-    optimizer_positions = [
-        i for i, a in enumerate(example_inputs) if optimizers.is_supported(a)
-    ]
-    sparse_steppers = [
-        (i, cast(torch.optim.Optimizer, a))
-        for i, a in enumerate(example_inputs)
-        if sparse_gradients.is_sparse_stepper(a)
-    ]
-    lifted_positions = [
-        *module_positions,
-        *optimizer_positions,
-        *(i for i, _ in sparse_steppers),
-    ]
-    user_positions = [
-        i for i in range(len(example_inputs)) if i not in lifted_positions
-    ]
-    return _Arguments(
-        fn_name=fn_name,
-        argument_names=arguments,
-        module_positions=module_positions,
-        modules=modules,
-        optimizer_positions=optimizer_positions,
-        sparse_steppers=sparse_steppers,
-        lifted_positions=lifted_positions,
-        user_positions=user_positions,
-        user_inputs=tuple(example_inputs[i] for i in user_positions),
-    )
-
-
-@dataclass
-class _ModuleModes:
-    """Each module argument's submodules with their train/eval modes and hooks, read
-    before tracing: fn may switch modes itself, and the driver checks the modes and
-    hooks a call arrives with."""
-
-    submodules: list[list[tuple[str, torch.nn.Module]]]
-    training: list[list[bool]]
-    # The hooks the trace runs are built into the graph: each call must bring the same.
-    hooks: list[dict[str, dict[str, int]]]
-    global_hooks: dict[str, int]
-
-
-def _read_module_modes(modules: list[torch.nn.Module]) -> _ModuleModes:
-    """The modes and hooks of ``modules``, warning of the hooks (``_warn_of_hooks``)."""
-    submodules = [list(module.named_modules()) for module in modules]
-    modes = _ModuleModes(
-        submodules=submodules,
-        training=[[m.training for _, m in named] for named in submodules],
-        hooks=[convention.module_hooks(module) for module in modules],
-        global_hooks=convention.global_module_hooks(),
-    )
-    _warn_of_hooks(
-        [
-            fully_sharded.without_own_hooks(module, hooks)
-            for module, hooks in zip(modules, modes.hooks, strict=True)
-        ],
-        modes.global_hooks,
-    )
-    return modes
-
-
-@dataclass
-class _LiftedState:
-    """The module state and the supported optimizers' state, lifted to graph inputs;
-    the parameters with sparse gradients, whose steps the driver takes."""
-
-    state: ModuleState
-    # Index into the parameters -> the module whose ``sparse=True`` makes it sparse.
-    sparse_names: dict[int, str]
-    optimizers: list[optimizers.LiftedOptimizer]
-    deferrals: sparse_gradients.Deferrals
-
-
-def _lift_state(call: _Arguments, example_inputs: tuple[object, ...]) -> _LiftedState:
-    """Lift the module arguments' state, then the optimizers' state (which must be
-    that of lifted parameters)."""
-    state = lift_module_state(call.modules)
-    params = state.tensors[: state.num_params]
-    sparse_names = sparse_gradients.sparse_params(call.modules, params)
-    lifted_optimizers = [
-        optimizers.lift(
-            cast(torch.optim.Optimizer, example_inputs[position]),
-            position,
-            params,
-            sparse_names,
-            where=convention.argument(position, call.argument_names),
-        )
-        for position in call.optimizer_positions
-    ]
-    deferrals = sparse_gradients.Deferrals(call.argument_names)
-    return _LiftedState(state, sparse_names, lifted_optimizers, deferrals)
-
-
-@dataclass
-class _UserLeaves:
-    """The user inputs flattened into the leaves the graph takes after the module
-    state, with their mark_unbacked dims and, where any is marked, the fakes the
-    trace runs on."""
-
-    # The namedtuple and dataclass types among the inputs, by import path.
-    input_types: list[str]
-    leaves: list[object]
-    in_spec: pytree.TreeSpec
-    names: list[str]
-    marks: list[dict[int, dynamic_dims.DimMark]]
-    symbolic: dynamic_dims.SymbolicInputs | None
-    # The float leaves traced as graph inputs (``data_dependent.FloatArguments``).
-    numbers: list[int]
-
-
-def _flatten_user_inputs(
-    call: _Arguments, state: ModuleState, backend: Backend, numbers: bool
-) -> _UserLeaves:
-    """Flatten the user inputs, refusing a module among them and the dim marks the
-    artifact cannot honour; with ``numbers``, the float leaves are traced as graph
-    inputs (a symbolic trace's are built in)."""
-    # Before flattening: a dataclass is opened once registered.
-    input_types = [
-        path
-        for position, argument in zip(
-            call.user_positions, call.user_inputs, strict=True
-        )
-        for path in pytree_types.record(
-            argument,
-            functools.partial(convention.argument, position, call.argument_names),
-        )
-    ]
-    user_leaves, in_spec = pytree.tree_flatten(call.user_inputs)
-    leaf_names = convention.leaf_names(
-        call.user_positions, call.argument_names, call.user_inputs
-    )
-    _reject_nested_modules(user_leaves, leaf_names)
-    _reject_lazy_bits(user_leaves, leaf_names)
-    marks = dynamic_dims.read_dim_marks(user_leaves, leaf_names, backend)
-    symbolic = (
-        dynamic_dims.symbolic_inputs(state.tensors, user_leaves, leaf_names, marks)
-        if any(marks)
-        else None
-    )
-    floats = [i for i, leaf in enumerate(user_leaves) if type(leaf) is float]
-    return _UserLeaves(
-        input_types,
-        user_leaves,
-        in_spec,
-        leaf_names,
-        marks,
-        symbolic,
-        floats if numbers and symbolic is None else [],
-    )
-
-
-@dataclass
-class _GraphInputs:
-    """The tensors the graph is traced on, in graph-input order: the module state,
-    the user-input leaves, the optimizers' state, one ``lr`` per param group, then
-    the values tensor of each group with numbers its step may read at each call."""
-
-    flat_args: list[object]
-    num_state: int
-    num_params: int
-    # Where the optimizers' state begins, where their lrs begin, and their groups'
-    # values tensors.
-    state_start: int
-    lr_start: int
-    values_start: int
-    aliased_inputs: list[AliasGroup]
-    # The DTensor graph inputs' mesh shapes and placements, by position.
-    dtensor_layouts: dict[int, DTensorLayout]
-    # Each tensor's version counter before the trace: an update fn makes in place
-    # shows as a change.
-    versions: list[int | None]
-
-
-def _graph_inputs(
-    lifted: _LiftedState, user: _UserLeaves, backend: Backend
-) -> _GraphInputs:
-    """Lay out the graph inputs, refusing the combinations of aliasing, DTensors,
-    dim marks and optimizers the trace cannot hold."""
-    state = lifted.state
-    aliased_inputs = _aliased_inputs(state, user)
-    dtensor_layouts = dtensors.layouts([*state.tensors, *user.leaves])
-    # Inductor gets the graph traced again on the local shards after the trace,
-    # which a symbolic trace's fakes cannot give: refused before the trace costs
-    # anything.
-    if backend == "inductor" and dtensor_layouts and user.symbolic is not None:
-        raise PrecompileError(
-            "mark_unbacked dims and DTensors cannot be captured together on the "
-            "inductor backend yet. Leave the dims static, or capture with "
-            "backend='eager'."
-        )
-    # The optimizers' state and lr tensors follow the input leaves.
-    optimizer_state = [t for entry in lifted.optimizers for t in entry.state]
-    lrs = optimizers.lr_tensors(lifted.optimizers)
-    values = optimizers.value_tensors(lifted.optimizers)
-    num_state = len(state.tensors)
-    state_start = num_state + len(user.leaves)
-    flat_args = _tensors_to_trace(
-        lifted, user, aliased_inputs, [*optimizer_state, *lrs, *values]
-    )
-    return _GraphInputs(
-        flat_args=flat_args,
-        num_state=num_state,
-        num_params=state.num_params,
-        state_start=state_start,
-        lr_start=state_start + len(optimizer_state),
-        values_start=state_start + len(optimizer_state) + len(lrs),
-        aliased_inputs=aliased_inputs,
-        dtensor_layouts=dtensor_layouts,
-        versions=[_version(arg) for arg in flat_args],
-    )
-
-
-def _aliased_inputs(state: ModuleState, user: _UserLeaves) -> list[AliasGroup]:
-    """The module state and input leaves that share a storage; a DTensor among them
-    is refused."""
-    flat = [*state.tensors, *user.leaves]
-    aliased_inputs = aliasing.alias_groups(flat)
-    dtensors.reject_aliasing(
-        aliased_inputs,
-        flat,
-        [
-            *(
-                f"the model's {name!r}"
-                for name in state.param_names + state.buffer_names
-            ),
-            *user.names,
-        ],
-    )
-    return aliased_inputs
-
-
-def _tensors_to_trace(
-    lifted: _LiftedState,
-    user: _UserLeaves,
-    aliased_inputs: list[AliasGroup],
-    optimizer_inputs: list[torch.Tensor],
-) -> list[object]:
-    """Copies of the example tensors, or with mark_unbacked dims the fakes they
-    become, so that tracing changes none of the example's."""
-    state = lifted.state
-    if user.symbolic is None:
-        flat_args = aliasing.copies_for_trace([*state.tensors, *user.leaves])
-        for index in user.numbers:
-            number = cast(float, user.leaves[index])
-            flat_args[len(state.tensors) + index] = torch.tensor(
-                number, dtype=torch.float64
-            )
-        flat_args += optimizer_inputs
-        return flat_args
-    if lifted.optimizers:
-        raise PrecompileError(
-            "an optimizer argument cannot be captured together with mark_unbacked "
-            "dims. Leave the dims static, or call the optimizer after the "
-            "precompiled function."
-        )
-    _reject_symbolic_aliasing(
-        aliased_inputs,
-        [*state.tensors, *user.leaves],
-        [{}] * len(state.tensors) + user.marks,
-    )
-    return user.symbolic.flat_args
-
-
-@dataclass
-class _Harvest:
-    """What the flat function learns while make_fx runs fn: the structure of its
-    result, which parameters got gradients, and what fn did to the optimizers and
-    the ``.grad`` fields."""
-
-    out_spec: pytree.TreeSpec = field(init=False)
-    # The namedtuple and dataclass types in fn's result, by import path.
-    pytree_types: list[str] = field(default_factory=list)
-    scalar_outputs: list[int] = field(default_factory=list)
-    grad_param_indices: list[int] = field(default_factory=list)
-    # Positions among the gradients returned of those that are sparse.
-    sparse_grads: list[int] = field(default_factory=list)
-    resets: grad_resets.Resets = field(default_factory=dict)
-    # The optimizer arguments whose step() fn called, by id.
-    stepped: set[int] = field(default_factory=set)
-    # What fn itself raised while traced: it reaches the caller unwrapped.
-    raised_by_fn: list[Exception] = field(default_factory=list)
-    # The caller's grad mode: the trace turns it on to record a backward.
-    grad_enabled: bool = True
-    # The float arguments fn computed with, and those it used as Python values.
-    float_arguments: data_dependent.FloatArguments = field(
-        default_factory=data_dependent.FloatArguments
-    )
-
-
 def _flat_function(
-    fn: Callable[..., object],
-    example_inputs: tuple[object, ...],
-    call: _Arguments,
-    modes: _ModuleModes,
-    lifted: _LiftedState,
-    user: _UserLeaves,
-    inputs: _GraphInputs,
-    harvest: _Harvest,
+    capture: _Capture,
+    lifted: graph_inputs.LiftedState,
+    user: graph_inputs.UserLeaves,
+    inputs: graph_inputs.GraphInputs,
+    harvest: records.Harvest,
 ) -> Callable[[list[Any]], list[object]]:
     """fn as make_fx traces it: the graph inputs in one flat list, fn's result leaves
     then the parameters' gradients out."""
+    call = capture.call
 
     def flat_fn(flat: list[Any]) -> list[object]:
         leaves = flat[inputs.num_state : inputs.state_start]
@@ -771,11 +350,13 @@ def _flat_function(
             )
         user_inputs = pytree.tree_unflatten(leaves, user.in_spec)
         with _running_on_graph_inputs(
-            flat, call, modes, lifted, inputs, harvest, bool(user.numbers)
+            flat, call, capture.modes, lifted, inputs, harvest, bool(user.numbers)
         ):
-            args = _interleave(example_inputs, call.lifted_positions, user_inputs)
+            args = _interleave(
+                capture.example_inputs, call.lifted_positions, user_inputs
+            )
             try:
-                result = fn(*args)
+                result = capture.fn(*args)
             except Exception as error:
                 harvest.raised_by_fn.append(error)
                 raise
@@ -789,11 +370,11 @@ def _flat_function(
 @contextlib.contextmanager
 def _running_on_graph_inputs(
     flat: list[Any],
-    call: _Arguments,
-    modes: _ModuleModes,
-    lifted: _LiftedState,
-    inputs: _GraphInputs,
-    harvest: _Harvest,
+    call: graph_inputs.Arguments,
+    modes: graph_inputs.ModuleModes,
+    lifted: graph_inputs.LiftedState,
+    inputs: graph_inputs.GraphInputs,
+    harvest: records.Harvest,
     float_arguments: bool,
 ) -> Generator[None]:
     """While fn runs traced: the modules and optimizers read and update the graph
@@ -837,7 +418,7 @@ def _running_on_graph_inputs(
 
 
 def _graph_outputs(
-    result: object, grads: list[Any], fn_name: str, harvest: _Harvest
+    result: object, grads: list[Any], fn_name: str, harvest: records.Harvest
 ) -> list[object]:
     """The graph's outputs: fn's result leaves, then the gradients the parameters
     got; ``harvest`` records how to rebuild the result and whose gradients they are."""
@@ -934,25 +515,14 @@ def _trace_failure(
     )
 
 
-@dataclass
-class _Updates:
-    """The updates fn made, as the trace saw them."""
-
-    # Positions of the module state and input leaves fn updated in place.
-    mutated_inputs: list[int]
-    deferred_steps: list[DeferredStep]
-    optimizers: list[OptimizerArgument]
-    sparse_gradients: SparseGradients | None
-
-
 def _read_updates(
     gm: torch.fx.GraphModule,
-    call: _Arguments,
-    lifted: _LiftedState,
-    inputs: _GraphInputs,
-    harvest: _Harvest,
+    call: graph_inputs.Arguments,
+    lifted: graph_inputs.LiftedState,
+    inputs: graph_inputs.GraphInputs,
+    harvest: records.Harvest,
     mutated_inputs: list[int],
-) -> _Updates:
+) -> records.Updates:
     """What fn updated: the inputs it wrote, the optimizer steps the graph takes and
     those left to the driver, and the sparse gradients split from the dense."""
     deferred_steps = lifted.deferrals.records()
@@ -978,13 +548,13 @@ def _read_updates(
         lifted.sparse_names,
         param_names,
     )
-    return _Updates(mutated_inputs, deferred_steps, optimizer_arguments, sparse)
+    return records.Updates(mutated_inputs, deferred_steps, optimizer_arguments, sparse)
 
 
 def _constants_as_inputs(
     gm: torch.fx.GraphModule,
     fn: Callable[..., object],
-    call: _Arguments,
+    call: graph_inputs.Arguments,
     symbolic: dynamic_dims.SymbolicInputs | None,
     flat_args: list[object],
 ) -> list[tuple[str, torch.Tensor]]:
@@ -1001,7 +571,9 @@ def _constants_as_inputs(
 
 
 def _hoist_updates(
-    gm: torch.fx.GraphModule, state: ModuleState, inputs: _GraphInputs
+    gm: torch.fx.GraphModule,
+    state: graph_inputs.ModuleState,
+    inputs: graph_inputs.GraphInputs,
 ) -> None:
     """Run each parameter's and optimizer state's update as soon as its gradient is
     final (``update_order``)."""
@@ -1012,227 +584,63 @@ def _hoist_updates(
 
 
 def _record(
+    capture: _Capture,
     gm: torch.fx.GraphModule,
     local: dtensors.LocalGraph | None,
-    call: _Arguments,
-    modes: _ModuleModes,
-    python_values: list[PythonValue],
-    lifted: _LiftedState,
-    user: _UserLeaves,
-    inputs: _GraphInputs,
-    harvest: _Harvest,
-    updates: _Updates,
+    path: _PathState,
+    updates: records.Updates,
     constants: list[tuple[str, torch.Tensor]],
     merged: branches.Merged,
 ) -> TracedGraph:
-    """The captured graph and its calling convention; with DTensors on the inductor
-    backend, the graph traced again on the local shards (``local``)."""
-    flat_args = inputs.flat_args
-    state = lifted.state
+    """The captured graph and its calling convention, as the first path's trace
+    saw the inputs; with DTensors on the inductor backend, the graph traced again
+    on the local shards (``local``)."""
+    call, modes, user, harvest = capture.call, capture.modes, path.user, path.harvest
+    flat_args = path.inputs.flat_args
+    state = path.lifted.state
     # From the graph on whole tensors, which the call's leaves are.
     names = state.param_names + state.buffer_names
     checks = index_checks.index_checks(gm, names, len(user.leaves))
-    example_strides = _example_strides(state, user, flat_args, updates.optimizers)
-    state_tensors = _state_tensors(state)
+    example_strides = records.example_strides(
+        state, user, flat_args, updates.optimizers
+    )
+    state_tensors = records.state_tensors(state)
     if local is not None:
         gm, flat_args = local.gm, local.flat_args
     convention = CallConvention(
         fn_name=call.fn_name,
         num_positional_args=len(call.argument_names),
         argument_names=call.argument_names,
-        modules=_module_arguments(call, modes),
+        modules=records.module_arguments(call, modes),
         global_module_hooks=modes.global_hooks,
         params=state_tensors[: state.num_params],
         buffers=state_tensors[state.num_params :],
-        in_tree=input_tree(user.in_spec, len(call.user_positions)),
-        leaves=_input_leaves(user, harvest.float_arguments),
-        input_names=_input_names(call, state, updates, constants),
-        aliased_inputs=inputs.aliased_inputs,
-        out_spec=_dump_out_spec(harvest.out_spec),
+        in_tree=records.input_tree(user.in_spec, len(call.user_positions)),
+        leaves=records.input_leaves(user, harvest.float_arguments),
+        input_names=records.input_names(call, state, updates, constants),
+        aliased_inputs=path.inputs.aliased_inputs,
+        out_spec=records.dump_out_spec(harvest.out_spec),
         out_structure=pytree.treespec_pprint(harvest.out_spec),
         grad_param_indices=harvest.grad_param_indices,
         scalar_outputs=harvest.scalar_outputs,
-        python_values=python_values,
+        python_values=capture.python_values,
         optimizers=updates.optimizers,
         process_groups=data_parallel.process_groups(gm, call.modules),
-        data_parallel=_data_parallel_records(call),
-        dtensors=inputs.dtensor_layouts,
+        data_parallel=records.data_parallel_records(call),
+        dtensors=path.inputs.dtensor_layouts,
         sparse_gradients=updates.sparse_gradients,
         deferred_steps=updates.deferred_steps,
         pytree_types=list(dict.fromkeys(user.input_types + harvest.pytree_types)),
         mutated_inputs=updates.mutated_inputs,
         index_checks=checks,
-        **_branch_records(harvest, merged),
+        **records.branch_records(harvest, merged),
     )
     shards = None if local is None else LocalShards(local.inputs, local.outputs)
     return TracedGraph(gm, flat_args, constants, example_strides, convention, shards)
 
 
-def _branch_records(harvest: _Harvest, merged: branches.Merged) -> dict[str, Any]:
-    """The convention's ``.grad`` resets, and what fn's branches on tensor values
-    add to it: the branches, and a step a path skips with the resets of its own."""
-    step_resets = merged.step_resets or []
-    return {
-        "grad_resets": [
-            reset
-            for reset in sorted(harvest.resets.items())
-            if reset not in step_resets
-        ],
-        "skippable_step": merged.step_resets is not None,
-        "step_resets": step_resets,
-        "value_branches": merged.branches,
-    }
-
-
-def _input_names(
-    call: _Arguments,
-    state: ModuleState,
-    updates: _Updates,
-    constants: list[tuple[str, torch.Tensor]],
-) -> list[str]:
-    """Each graph input's name (``graph_names``), in graph-input order."""
-    return graph_names.graph_input_names(
-        call.argument_names,
-        state.param_names,
-        state.buffer_names,
-        list(zip(call.user_positions, call.user_inputs, strict=True)),
-        updates.optimizers,
-        [name for name, _ in constants],
-    )
-
-
-def _state_tensors(state: ModuleState) -> list[StateTensor]:
-    """The module state, parameters then buffers, as the driver checks it."""
-    return [
-        StateTensor(
-            name=name,
-            shape=tuple(tensor.shape),
-            dtype=str(tensor.dtype),
-            device=str(tensor.device),
-            requires_grad=tensor.requires_grad,
-        )
-        for name, tensor in zip(
-            state.param_names + state.buffer_names, state.tensors, strict=True
-        )
-    ]
-
-
-def _example_strides(
-    state: ModuleState,
-    user: _UserLeaves,
-    flat_args: list[object],
-    optimizer_arguments: list[OptimizerArgument],
-) -> InputStrides:
-    """Each graph input's strides before the lrs, as the example had them: the
-    module state, the user-input leaves (None for a non-tensor one or one with
-    dynamic dims), then the optimizers' state the graph kept."""
-    state_strides: Strides = [tuple(tensor.stride()) for tensor in state.tensors]
-    start = len(state.tensors) + len(user.leaves)
-    count = sum(len(optimizer.state) for optimizer in optimizer_arguments)
-    optimizer_state: Strides = []
-    for tensor in flat_args[start : start + count]:
-        assert isinstance(tensor, torch.Tensor)
-        optimizer_state.append(tuple(tensor.stride()))
-    return InputStrides(
-        params=state_strides[: state.num_params],
-        buffers=state_strides[state.num_params :],
-        leaves=[
-            None
-            if marked or not isinstance(leaf, torch.Tensor)
-            else tuple(leaf.stride())
-            for leaf, marked in zip(user.leaves, user.marks, strict=True)
-        ],
-        optimizer_state=optimizer_state,
-    )
-
-
-def input_tree(in_spec: pytree.TreeSpec, count: int) -> InputTree:
-    """The record of ``in_spec``, the tree of ``count`` non-module arguments."""
-    try:
-        dumped = pytree.treespec_dumps(in_spec)
-    except (NotImplementedError, TypeError):
-        # Only the driver's structure check reads IN_SPEC; the leaf checks still run.
-        return InputTree(None, None)
-    nodes, holds_dicts = [in_spec], False
-    while nodes and not holds_dicts:
-        node = nodes.pop()
-        holds_dicts = node.type is dict
-        nodes += node.children()
-    flat = (
-        in_spec.type is tuple
-        and in_spec.num_children == count
-        and all(child.is_leaf() for child in in_spec.children())
-    )
-    return InputTree(dumped, pytree.treespec_pprint(in_spec), holds_dicts, flat)
-
-
-def _dump_out_spec(out_spec: pytree.TreeSpec) -> str:
-    # The driver rebuilds the result from OUT_SPEC, so unlike IN_SPEC it is required.
-    try:
-        return pytree.treespec_dumps(out_spec)
-    except (NotImplementedError, TypeError) as error:
-        raise PrecompileError(
-            "the function's result has a structure that cannot be serialised into the "
-            f"artifact ({type(error).__name__}: {error}). This happens for a type "
-            "registered with torch.utils._pytree without a serialized_type_name, or "
-            "without a JSON-serialisable context. Return a tuple, list or dict of "
-            "tensors (namedtuples and dataclasses defined at module level work too), "
-            "or register the type with a serialized_type_name."
-        ) from error
-
-
-def _data_parallel_records(call: _Arguments) -> list[DataParallelArgument]:
-    return [
-        data_parallel.data_parallel_record(module, position)
-        for position, module in zip(call.module_positions, call.modules, strict=True)
-        if data_parallel.is_data_parallel(module)
-    ]
-
-
-def _module_arguments(call: _Arguments, modes: _ModuleModes) -> list[ModuleArgument]:
-    return [
-        ModuleArgument(position, training, hooks)
-        for position, training, hooks in zip(
-            call.module_positions, modes.training, modes.hooks, strict=True
-        )
-    ]
-
-
-def _input_leaves(
-    user: _UserLeaves, float_arguments: data_dependent.FloatArguments
-) -> list[InputLeaf]:
-    """What the driver checks of each user-input leaf: a float traced as a graph
-    input keeps no value, unless fn used it as one."""
-    used = float_arguments.specialized
-    return [
-        InputLeaf(
-            shape=_shape(leaf, marked),
-            dtype=_dtype(leaf),
-            device=_device(leaf),
-            bounds=bounds,
-            symbols=symbols,
-            value=_leaf_value(leaf)
-            if index not in user.numbers or index in used
-            else None,
-            number=index in user.numbers,
-            number_use=used.get(index),
-        )
-        for index, (leaf, marked, bounds, symbols) in enumerate(
-            zip(
-                user.leaves,
-                user.marks,
-                dynamic_dims.declared_bounds(user.marks),
-                [None] * len(user.leaves)
-                if user.symbolic is None
-                else user.symbolic.leaf_symbols,
-                strict=True,
-            )
-        )
-    ]
-
-
 def _module_params(
-    state: ModuleState, flat: list[Any], count: int
+    state: graph_inputs.ModuleState, flat: list[Any], count: int
 ) -> tuple[list[list[torch.Tensor]], list[list[str]]]:
     """Per module argument, its traced parameters (each once) and their names."""
     params: list[list[torch.Tensor]] = [[] for _ in range(count)]
@@ -1292,7 +700,7 @@ def _rnns_step_by_step() -> Generator[None]:
 
 @contextlib.contextmanager
 def _reparametrized(
-    modules: list[torch.nn.Module], state: ModuleState, tensors: list[Any]
+    modules: list[torch.nn.Module], state: graph_inputs.ModuleState, tensors: list[Any]
 ) -> Generator[None]:
     with contextlib.ExitStack() as stack:
         for mi, module in enumerate(modules):
@@ -1359,29 +767,6 @@ def _result_part(fn_name: str, path: str) -> str:
     return f"the result of {fn_name!r}" + (f" at {path}" if path else "")
 
 
-def _reject_symbolic_aliasing(
-    groups: list[AliasGroup], flat: list[object], marks: list[dict[int, Any]]
-) -> None:
-    # A capture with mark_unbacked dims traces on fakes: a tensor passed twice is one
-    # fake, but views of one storage cannot be rebuilt at symbolic offsets, and the
-    # strides of a tensor with a marked dim are not fixed, so neither can alias.
-    for group in groups:
-        if len({id(flat[position]) for position in group}) > 1:
-            raise PrecompileError(
-                "two inputs are views of one storage (or a view and its base), "
-                "which a capture with mark_unbacked dims cannot trace as eager runs "
-                "it. Pass separate tensors (.clone() one of them), or leave the dims "
-                "static (do not mark them)."
-            )
-        if any(marks[position] for position in group):
-            raise PrecompileError(
-                "a tensor with a mark_unbacked dim is passed in more than one "
-                "position (or is also a parameter), which a capture with dynamic "
-                "dims cannot hold calls to. Pass it once, or pass a .clone() in the "
-                "other position."
-            )
-
-
 # What a graph can return as a leaf of the function's result.
 _RESULT_LEAF_TYPES = (
     torch.Tensor,
@@ -1424,40 +809,8 @@ def _reject_opaque_results(result: object, leaves: list[object], fn_name: str) -
     )
 
 
-def _reject_nested_modules(leaves: list[object], leaf_names: list[str]) -> None:
-    # Only positional module arguments have their state lifted to graph inputs; the
-    # parameters of a module inside a list or dict would be baked in as constants.
-    for name, leaf in zip(leaf_names, leaves, strict=True):
-        if isinstance(leaf, torch.nn.Module):
-            raise PrecompileError(
-                f"{name} is an nn.Module ({type(leaf).__name__}) inside a container, "
-                "but only modules passed as positional arguments have their "
-                "parameters and buffers lifted to inputs of the artifact. Pass it as "
-                "an argument of its own: fn(encoder, head, x) rather than "
-                "fn({'encoder': encoder, 'head': head}, x)."
-            )
-
-
-def _reject_lazy_bits(leaves: list[object], leaf_names: list[str]) -> None:
-    # The driver refuses a conjugate or negative bit on an input at every call, since
-    # a graph's kernels read memory as it is; a capture on one would make an artifact
-    # that no call passes.
-    for name, leaf in zip(leaf_names, leaves, strict=True):
-        if isinstance(leaf, torch.Tensor) and (leaf.is_conj() or leaf.is_neg()):
-            bit, resolve = (
-                ("conjugate", "resolve_conj")
-                if leaf.is_conj()
-                else ("negative", "resolve_neg")
-            )
-            raise PrecompileError(
-                f"{name} is a lazy view with its {bit} bit set (as tensor.conj() "
-                "and tensor.conj().imag leave them), which the artifact's calls "
-                f"refuse. Capture and call with the tensor resolved, .{resolve}()."
-            )
-
-
 def _reject_stray_grads(
-    state: ModuleState, flat: list[Any], leaf_names: list[str]
+    state: graph_inputs.ModuleState, flat: list[Any], leaf_names: list[str]
 ) -> None:
     # Only parameter gradients are returned to the caller; any other gradient the
     # traced backward produced would be silently dropped by the artifact.
@@ -1602,37 +955,6 @@ def _drop_inputs(gm: torch.fx.GraphModule, positions: list[int]) -> None:
     for position in positions:
         graph.erase_node(placeholders[position])
     tensor_literals.unpack_inputs(gm, len(placeholders) - len(positions))
-
-
-def _version(value: object) -> int | None:
-    # A DTensor's local shard is what an update writes.
-    return dtensors.data(value)._version if isinstance(value, torch.Tensor) else None
-
-
-def _leaf_value(leaf: object) -> LeafValue | None:
-    # The trace builds a scalar argument's value into the graph (``x * scale`` records
-    # the number), so the artifact holds each call to it. Other objects cannot be
-    # written into the artifact and compared; non-finite floats neither.
-    if type(leaf) not in (bool, int, float, str):
-        return None
-    if isinstance(leaf, float) and not math.isfinite(leaf):
-        return None
-    return cast(LeafValue, leaf)
-
-
-def _shape(leaf: object, marks: dict[int, dynamic_dims.DimMark]) -> Shape | None:
-    # A marked dim is None: the artifact accepts any size there.
-    if not isinstance(leaf, torch.Tensor):
-        return None
-    return tuple(None if dim in marks else size for dim, size in enumerate(leaf.shape))
-
-
-def _dtype(leaf: object) -> str | None:
-    return str(leaf.dtype) if isinstance(leaf, torch.Tensor) else None
-
-
-def _device(leaf: object) -> str | None:
-    return str(leaf.device) if isinstance(leaf, torch.Tensor) else None
 
 
 def _first_line(error: BaseException) -> str:

@@ -101,7 +101,7 @@ def test_hooks_are_recorded_in_the_metadata(caplog: pytest.LogCaptureFixture) ->
     assert "hooks" in format_report(report)
     # Capture says that the artifact never calls the hooks themselves.
     (warning,) = [
-        r for r in caplog.records if r.name == "precompile_gen.capturing.trace"
+        r for r in caplog.records if r.name == "precompile_gen.capturing.graph_inputs"
     ]
     assert "anything else they do (recording, logging) happens only now" in (
         warning.getMessage()
@@ -113,7 +113,7 @@ def test_a_capture_without_hooks_says_nothing_of_them(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     pg.capture(predict, make_mlp(), example(), backend="eager")
-    assert not [r for r in caplog.records if r.name == "precompile_gen.capturing.trace"]
+    assert not [r for r in caplog.records if r.name == "precompile_gen.capturing.graph_inputs"]
 
 
 def test_the_traced_hooks_run_as_in_eager(hooked: Callable[..., object]) -> None:

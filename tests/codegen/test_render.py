@@ -27,7 +27,7 @@ from helpers.stubs import (
 
 import precompile_gen as pg
 from precompile_gen.capture_result import Backend, InputLeaf, InputStrides, StateTensor
-from precompile_gen.capturing.trace import input_tree
+from precompile_gen.capturing.records import input_tree
 from precompile_gen.codegen.features import driver_features
 from precompile_gen.codegen.layout import assignment, format_python
 from precompile_gen.codegen.render import GRAPH_MARKER, render_skeleton, runtime_parts
