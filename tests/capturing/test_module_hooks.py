@@ -113,7 +113,9 @@ def test_a_capture_without_hooks_says_nothing_of_them(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     pg.capture(predict, make_mlp(), example(), backend="eager")
-    assert not [r for r in caplog.records if r.name == "precompile_gen.capturing.graph_inputs"]
+    assert not [
+        r for r in caplog.records if r.name == "precompile_gen.capturing.graph_inputs"
+    ]
 
 
 def test_the_traced_hooks_run_as_in_eager(hooked: Callable[..., object]) -> None:
