@@ -114,7 +114,7 @@ def assert_same_optimizer_state(
         assert got["lr"] == pytest.approx(want["lr"])
 
 
-def run_side_by_side(
+def assert_steps_match_eager(
     forward: Callable[..., object],
     make_model: Callable[[], nn.Module],
     make_optimizer: MakeOptimizer,
@@ -215,7 +215,7 @@ OPTIMIZERS: dict[str, MakeOptimizer] = {
 def test_eager_steps_equal_eager_pytorch_with_a_schedule(name: str) -> None:
     make_optimizer = OPTIMIZERS[name]
     forward = precompiled(mlp, make_optimizer, train_step, batch(0), "eager")
-    run_side_by_side(forward, mlp, make_optimizer, step_lr, train_step, batch)
+    assert_steps_match_eager(forward, mlp, make_optimizer, step_lr, train_step, batch)
 
 
 def weight_decay_on_the_first_layer(
@@ -329,7 +329,9 @@ def test_every_optimizer_steps_as_eager_does(name: str, backend: str) -> None:
     # moves lr and every other number of each group at every step.
     make_optimizer = EVERY_OPTIMIZER[name]
     forward = precompiled(mlp, make_optimizer, train_step, batch(0), backend)
-    run_side_by_side(forward, mlp, make_optimizer, Nudge, train_step, batch, steps=5)
+    assert_steps_match_eager(
+        forward, mlp, make_optimizer, Nudge, train_step, batch, steps=5
+    )
 
 
 class Nudge:
@@ -427,7 +429,7 @@ def test_a_schedule_of_any_number_needs_no_recapture(name: str, backend: str) ->
     # schedule that moves momentum, betas, eps or weight decay match eager's.
     make_optimizer, make_scheduler = SCHEDULES[name]
     forward = precompiled(mlp, make_optimizer, train_step, batch(0), backend)
-    run_side_by_side(
+    assert_steps_match_eager(
         forward, mlp, make_optimizer, make_scheduler, train_step, batch, steps=5
     )
 
@@ -486,7 +488,7 @@ def test_a_checkpoint_moves_between_the_artifact_and_eager(backend: str) -> None
 def test_inductor_compiles_the_update_with_the_step(name: str) -> None:
     make_optimizer = OPTIMIZERS[name]
     forward = precompiled(mlp, make_optimizer, train_step, batch(0), "inductor")
-    run_side_by_side(forward, mlp, make_optimizer, one_cycle, train_step, batch)
+    assert_steps_match_eager(forward, mlp, make_optimizer, one_cycle, train_step, batch)
 
 
 def test_inductor_with_batch_norm() -> None:
@@ -494,7 +496,7 @@ def test_inductor_with_batch_norm() -> None:
         return mlp(batch_norm=True)
 
     forward = precompiled(make_model, adam, train_step, batch(0), "inductor")
-    run_side_by_side(forward, make_model, adam, step_lr, train_step, batch)
+    assert_steps_match_eager(forward, make_model, adam, step_lr, train_step, batch)
 
 
 def test_an_optimizer_that_has_already_stepped() -> None:
@@ -513,7 +515,7 @@ def test_an_optimizer_that_has_already_stepped() -> None:
     # The scheduler's wrapper of step() ran in the trace, on no step of the example's.
     assert "_opt_called" not in vars(optimizer)
     forward = pg.load(code, cache)
-    run_side_by_side(
+    assert_steps_match_eager(
         forward, mlp, make_optimizer, one_cycle, train_step, batch, warm_up=2
     )
 
@@ -534,10 +536,10 @@ def test_a_first_state_that_is_not_zeros(name: str) -> None:
     )
     state.assert_unchanged()
     forward = pg.load(code, cache)
-    run_side_by_side(
+    assert_steps_match_eager(
         forward, mlp, make_optimizer, step_lr, train_step, batch, warm_up=1
     )
-    run_side_by_side(forward, mlp, make_optimizer, one_cycle, train_step, batch)
+    assert_steps_match_eager(forward, mlp, make_optimizer, one_cycle, train_step, batch)
 
 
 class ComplexLinear(nn.Module):
@@ -556,7 +558,9 @@ def test_complex_parameters_get_complex_first_state() -> None:
         return torch.optim.Rprop(model.parameters(), lr=0.01)
 
     forward = precompiled(ComplexLinear, make_optimizer, train_step, batch(0), "eager")
-    run_side_by_side(forward, ComplexLinear, make_optimizer, None, train_step, batch)
+    assert_steps_match_eager(
+        forward, ComplexLinear, make_optimizer, None, train_step, batch
+    )
 
 
 def test_frozen_parameters_several_groups_and_batch_norm() -> None:
@@ -585,7 +589,9 @@ def test_frozen_parameters_several_groups_and_batch_norm() -> None:
     # The frozen layer gets no gradient, so no state: it is no graph input.
     state = forward.__globals__["OPTIMIZERS"][0]["state"]
     assert [index for index, *_ in state] == [1, 2, 3, 4]
-    run_side_by_side(forward, make_model, make_optimizer, step_lr, train_step, batch)
+    assert_steps_match_eager(
+        forward, make_model, make_optimizer, step_lr, train_step, batch
+    )
 
 
 def test_two_modules_each_with_its_optimizer() -> None:
@@ -663,7 +669,7 @@ def test_inductor_with_tied_weights_and_two_groups() -> None:
         )
 
     forward = precompiled(TiedLM, make_optimizer, lm_step, tokens(0), "inductor")
-    run_side_by_side(forward, TiedLM, make_optimizer, step_lr, lm_step, tokens)
+    assert_steps_match_eager(forward, TiedLM, make_optimizer, step_lr, lm_step, tokens)
 
 
 def test_tied_weights() -> None:
@@ -671,7 +677,7 @@ def test_tied_weights() -> None:
         return torch.optim.AdamW(model.parameters(), lr=0.01)
 
     forward = precompiled(TiedLM, make_optimizer, lm_step, tokens(0), "eager")
-    run_side_by_side(forward, TiedLM, make_optimizer, step_lr, lm_step, tokens)
+    assert_steps_match_eager(forward, TiedLM, make_optimizer, step_lr, lm_step, tokens)
 
 
 def test_an_optimizer_argument_used_for_zero_grad_only() -> None:
@@ -883,7 +889,7 @@ def test_foreach_and_fused_may_change_between_calls() -> None:
         return torch.optim.Adam(model.parameters(), lr=0.01, foreach=True)
 
     forward = precompiled(mlp, fused, train_step, batch(0), "eager")
-    run_side_by_side(forward, mlp, foreach, None, train_step, batch)
+    assert_steps_match_eager(forward, mlp, foreach, None, train_step, batch)
 
 
 def test_a_value_that_decides_the_structure_is_rejected_when_it_changes(
@@ -1063,7 +1069,7 @@ def test_a_fresh_sgd_with_dampening_is_rejected() -> None:
     assert "no momentum buffer yet" in message
     assert "dampening=0" in message
     # Once the optimizer has stepped, its buffers exist and the call is eager's.
-    run_side_by_side(forward, mlp, sgd, None, train_step, batch, warm_up=1)
+    assert_steps_match_eager(forward, mlp, sgd, None, train_step, batch, warm_up=1)
 
 
 def test_unsupported_optimizers_are_refused_at_capture() -> None:
@@ -1119,7 +1125,7 @@ def test_resnet18_with_sgd() -> None:
     # grad + weight_decay * param as a product and a sum, where eager's add fuses
     # them (one rounding): after three steps at this lr, parameters differ by about
     # 4e-5 relative, gradients by 3e-5 of their largest value.
-    run_side_by_side(
+    assert_steps_match_eager(
         forward,
         model_zoo.resnet18,
         sgd,
@@ -1142,7 +1148,9 @@ def test_gpt2_with_adamw_and_dropout() -> None:
     # Its attention's key biases get gradients of rounding noise only (softmax does
     # not see them), which Adam's normalised update turns into steps of about lr:
     # there the capturable formulation's rounding shows most, so lr stays small.
-    run_side_by_side(forward, model_zoo.gpt2, adamw, step_lr, hf_step, make_batch)
+    assert_steps_match_eager(
+        forward, model_zoo.gpt2, adamw, step_lr, hf_step, make_batch
+    )
 
 
 def test_optimizer_configurations_the_artifact_cannot_hold_are_refused_at_capture(

@@ -139,7 +139,7 @@ def compile_case(backend: str, fn: Callable[..., object], *args: object) -> Comp
     return Compiled(fn, args, python_code, pg.load(python_code, cache))
 
 
-def run_side_by_side(case: Compiled, calls: int = 1) -> SideBySide:
+def run_both(case: Compiled, calls: int = 1) -> SideBySide:
     eager_args = copy.deepcopy(case.args)
     artifact_args = copy.deepcopy(case.args)
     expected: object = None
@@ -238,13 +238,13 @@ def extras(backend: str) -> Compiled:
 
 
 def test_mlp_inference_matches_eager(mlp_predict: Compiled) -> None:
-    side = run_side_by_side(mlp_predict)
+    side = run_both(mlp_predict)
     assert isinstance(side.actual, torch.Tensor)
     torch.testing.assert_close(side.actual, side.expected)
 
 
 def test_training_step_loss_and_grads_match_eager(mlp_train: Compiled) -> None:
-    side = run_side_by_side(mlp_train)
+    side = run_both(mlp_train)
     torch.testing.assert_close(side.actual, side.expected)
     model = module_at(side.artifact_args, 0)
     assert all(p.grad is not None for p in model.parameters())
@@ -254,7 +254,7 @@ def test_training_step_loss_and_grads_match_eager(mlp_train: Compiled) -> None:
 def test_second_training_step_accumulates_grads_like_eager(
     mlp_train: Compiled,
 ) -> None:
-    side = run_side_by_side(mlp_train)
+    side = run_both(mlp_train)
     eager_model = module_at(side.eager_args, 0)
     artifact_model = module_at(side.artifact_args, 0)
     first_eager, first_artifact = grads(eager_model), grads(artifact_model)
@@ -276,7 +276,7 @@ def test_second_training_step_accumulates_grads_like_eager(
 
 
 def test_frozen_params_get_no_grad(frozen_train: Compiled) -> None:
-    side = run_side_by_side(frozen_train)
+    side = run_both(frozen_train)
     torch.testing.assert_close(side.actual, side.expected)
     model = module_at(side.artifact_args, 0)
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
@@ -295,7 +295,7 @@ def test_tied_weights_are_one_param_and_grads_match(tied_lm: Compiled) -> None:
     # same tensor) and proj.bias; the tied tensor is listed once, by its first name.
     assert meta["PARAM_NAMES"] == ["embed.weight", "proj.bias"]
 
-    side = run_side_by_side(tied_lm)
+    side = run_both(tied_lm)
     torch.testing.assert_close(side.actual, side.expected)
     model = module_at(side.artifact_args, 0)
     assert isinstance(model, TiedLM)
@@ -309,7 +309,7 @@ def test_two_modules_are_prefixed_and_match_eager(two_modules: Compiled) -> None
     assert meta["NUM_POSITIONAL_ARGS"] == 3
     assert meta["PARAM_NAMES"] == ["m0.weight", "m0.bias", "m1.weight", "m1.bias"]
 
-    side = run_side_by_side(two_modules)
+    side = run_both(two_modules)
     torch.testing.assert_close(side.actual, side.expected)
     assert_grads_match(side, position=0)
     assert_grads_match(side, position=2)
@@ -319,7 +319,7 @@ def test_two_modules_are_prefixed_and_match_eager(two_modules: Compiled) -> None
 def test_batchnorm_running_stats_update_like_eager(
     bn_train: Compiled, calls: int
 ) -> None:
-    side = run_side_by_side(bn_train, calls=calls)
+    side = run_both(bn_train, calls=calls)
     torch.testing.assert_close(side.actual, side.expected)
     eager_model = module_at(side.eager_args, 0)
     artifact_model = module_at(side.artifact_args, 0)
@@ -335,7 +335,7 @@ def test_batchnorm_running_stats_update_like_eager(
 
 
 def test_nested_inputs_and_outputs_match_eager(nested: Compiled) -> None:
-    side = run_side_by_side(nested)
+    side = run_both(nested)
     assert pytree.tree_structure(side.actual) == pytree.tree_structure(side.expected)
     assert isinstance(side.actual, dict)
     assert list(side.actual) == ["out", "pair"]
@@ -344,7 +344,7 @@ def test_nested_inputs_and_outputs_match_eager(nested: Compiled) -> None:
 
 
 def test_non_tensor_outputs_match_eager(extras: Compiled) -> None:
-    side = run_side_by_side(extras)
+    side = run_both(extras)
     assert isinstance(side.actual, tuple)
     assert isinstance(side.expected, tuple)
     out, count, nothing = side.actual

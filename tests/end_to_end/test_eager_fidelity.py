@@ -51,7 +51,7 @@ def capture(fn: Callable[..., object], *example: object, backend: str) -> Captur
     return Captured(pg.load(python_code, cache), example, snapshot)
 
 
-def run_side_by_side(
+def assert_steps_match_eager(
     captured: Captured,
     fn: Callable[..., object],
     make_args: Callable[[nn.Module], tuple[object, ...]],
@@ -157,7 +157,7 @@ def test_a_model_with_shared_modules_trains_like_eager(
     shared_artifact: Captured,
 ) -> None:
     x = batch(5, 6, seed=2)
-    run_side_by_side(shared_artifact, shared_step, lambda m: (*sgd(m), x))
+    assert_steps_match_eager(shared_artifact, shared_step, lambda m: (*sgd(m), x))
 
 
 # --- 2. float64 and half precision ---------------------------------------------------
@@ -226,7 +226,9 @@ def test_a_float64_step_equals_eager_to_float64_rounding(
     # One float32 rounding anywhere in the step (an lr or a bias correction held in
     # float32) shows as ~1e-8 here.
     captured, fn, make_args = float64_case
-    run_side_by_side(captured, fn, make_args, steps=3, tolerance=FLOAT64_TOLERANCE)
+    assert_steps_match_eager(
+        captured, fn, make_args, steps=3, tolerance=FLOAT64_TOLERANCE
+    )
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=str)
@@ -362,7 +364,9 @@ def test_an_lstm_and_gru_classifier_trains_like_eager(
     recurrent_artifact: Captured,
 ) -> None:
     recurrent_artifact.snapshot.assert_unchanged()
-    run_side_by_side(recurrent_artifact, classify_step, lambda m: tokens_and_labels(2))
+    assert_steps_match_eager(
+        recurrent_artifact, classify_step, lambda m: tokens_and_labels(2)
+    )
 
 
 # --- 4. Random draws into non-contiguous tensors -------------------------------------
@@ -399,7 +403,9 @@ def test_dropout_after_batch_first_attention_draws_eagers_masks(
     attention_artifact: Captured,
 ) -> None:
     x = batch(3, 5, 8, seed=3)
-    run_side_by_side(attention_artifact, attention_step, lambda m: (x,), seeds=(10, 11))
+    assert_steps_match_eager(
+        attention_artifact, attention_step, lambda m: (x,), seeds=(10, 11)
+    )
 
 
 def random_draws(
@@ -500,7 +506,7 @@ def test_an_add_with_alpha_next_to_a_matmul_keeps_its_scale(
 ) -> None:
     # Inductor fuses mm + add into one addmm and drops add's alpha; torch.compile
     # of the step alone gives other numbers where the artifact must not.
-    run_side_by_side(
+    assert_steps_match_eager(
         weight_decay_artifact,
         weight_decay_step,
         lambda model: (*sgd_with_weight_decay(model), batch(4, 8)),
@@ -554,7 +560,7 @@ def test_a_convolution_step_trains_like_eager(conv_artifact: Captured) -> None:
     # and activation one channels-last copy, which the forward's convolution, the
     # backward's and (for an activation) every other reader share, while the
     # forward after the update reads the updated weights.
-    run_side_by_side(
+    assert_steps_match_eager(
         conv_artifact,
         conv_step,
         lambda model: (*adamw(model), batch(2, 3, 8, 8)),

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from helpers.state_snapshot import StateSnapshot, clone_with_grads
+from helpers.state_snapshot import StateSnapshot, assert_call_rejected, clone_with_grads
 from torch import nn
 
 import precompile_gen as pg
@@ -28,17 +28,6 @@ BACKENDS = ["eager", "inductor"]
 def _load(fn: Callable[..., object], *example: object, backend: str):
     python_code, cache = pg.precompile(fn, *example, backend=backend)
     return pg.load(python_code, cache)
-
-
-def assert_rejected(forward: Callable[..., object], *args: object, match: list[str]):
-    """``forward(*args)`` raises PrecompileError naming every string in ``match``, and
-    leaves the arguments as they were."""
-    snapshot = StateSnapshot(*args)
-    with pytest.raises(pg.PrecompileError) as caught:
-        forward(*args)
-    for text in match:
-        assert text in str(caught.value), f"{text!r} not in: {caught.value}"
-    snapshot.assert_unchanged()
 
 
 # --- 1. Aliasing among the inputs ----------------------------------------------------
@@ -132,7 +121,7 @@ def aliased_inputs(forward: Callable[..., object]) -> list[dict[int, object]]:
 def test_aliasing_at_capture_but_not_at_call_is_rejected(
     twice_artifact: Callable[..., object],
 ) -> None:
-    assert_rejected(
+    assert_call_rejected(
         twice_artifact,
         make_scale(),
         *separate_tensors(),
@@ -148,7 +137,7 @@ def test_aliasing_at_call_but_not_at_capture_is_rejected(
     separate_artifact: Callable[..., object],
 ) -> None:
     for args in (same_tensor_twice(), overlapping_views()):
-        assert_rejected(
+        assert_call_rejected(
             separate_artifact,
             make_scale(),
             *args,
@@ -164,7 +153,7 @@ def test_views_at_other_offsets_are_rejected(
     views_artifact: Callable[..., object],
 ) -> None:
     base = torch.arange(8.0)
-    assert_rejected(
+    assert_call_rejected(
         views_artifact,
         make_scale(),
         base[2:6],
@@ -197,7 +186,7 @@ def test_parameter_also_passed_as_input(backend: str) -> None:
         got_model.named_parameters(), expected_model.parameters(), strict=True
     ):
         torch.testing.assert_close(g.grad, e.grad, msg=f"{name}.grad")
-    assert_rejected(
+    assert_call_rejected(
         forward,
         got_model,
         got_model.weight.detach().clone(),
@@ -214,7 +203,7 @@ def test_aliasing_made_by_replacing_a_parameter_s_data_is_seen(
     a, b = torch.randn(4), torch.randn(4, 4)
     separate_artifact(model, a, b[0])
     model.weight.data = b
-    assert_rejected(
+    assert_call_rejected(
         separate_artifact,
         model,
         a,
@@ -253,7 +242,7 @@ def test_pytree_node_without_key_paths() -> None:
     torch.testing.assert_close(forward(model, pairs), pair_step(model, pairs))
     # The leaves of such a node are named by position, in capture and in the driver.
     bad = [Pair(torch.ones(2, 4), torch.ones(3, 4))]
-    assert_rejected(
+    assert_call_rejected(
         forward, model, bad, match=["argument 1 (`pairs[0][1]`) has shape (3, 4)"]
     )
 
