@@ -33,7 +33,12 @@ from precompile_gen.capture_result import (
 from precompile_gen.capturing import data_parallel, graph_names, update_order
 from precompile_gen.capturing.trace import TracedGraph
 from precompile_gen.codegen import layout
-from precompile_gen.lowering import inductor_imports, inductor_module, kernel_builds
+from precompile_gen.lowering import (
+    inductor_imports,
+    inductor_module,
+    kernel_builds,
+    lowering_cache,
+)
 from precompile_gen.runtime import kernel_binaries
 from precompile_gen.runtime.errors import PrecompileError
 from precompile_gen.tools import timings
@@ -45,18 +50,32 @@ _INDUCTOR_LOCK = kernel_binaries.TORCH_STATE_LOCK
 
 def lower(traced: TracedGraph, backend: Backend) -> CaptureResult:
     """The capture as plain data: the convention as the trace recorded it, the graph
-    as source text with the strides it depends on, and its kernels' payload."""
-    graph = _lower_graph(traced, backend)
+    as source text with the strides it depends on, and its kernels' payload. On
+    inductor, an earlier capture's lowering of the same graph is reused
+    (``lowering_cache``)."""
+    entry = lowering_cache.key(traced) if backend == "inductor" else None
+    kept = None if entry is None else lowering_cache.load(entry)
+    if kept is not None:
+        graph, payload = kept
+    else:
+        graph, payload = _lowered(traced, backend)
+        if entry is not None:
+            lowering_cache.store(entry, graph, payload)
     return CaptureResult(
-        backend=backend,
-        convention=traced.convention,
-        graph=_compiled_graph(traced, graph),
-        payload=KernelPayload(
-            kernel_binaries=kernel_binaries.digests(graph.cache_artifact),
-            kernel_sources=graph.kernel_sources,
-            cache_artifact=graph.cache_artifact,
-        ),
+        backend=backend, convention=traced.convention, graph=graph, payload=payload
     )
+
+
+def _lowered(
+    traced: TracedGraph, backend: Backend
+) -> tuple[CompiledGraph, KernelPayload]:
+    graph = _lower_graph(traced, backend)
+    payload = KernelPayload(
+        kernel_binaries=kernel_binaries.digests(graph.cache_artifact),
+        kernel_sources=graph.kernel_sources,
+        cache_artifact=graph.cache_artifact,
+    )
+    return _compiled_graph(traced, graph), payload
 
 
 class _LoweredGraph(NamedTuple):
