@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, cast
+from unittest import mock
 
 import torch
 import torch.utils._pytree as pytree
@@ -456,7 +457,7 @@ def _make_fx(
         flat_fn, flat_args = on_shards.fn, dtensors.local_args(flat_args)
     try:
         # Grad mode on, so a backward inside fn is recorded as graph ops.
-        mode = contextlib.nullcontext() if symbolic is None else symbolic.fake_mode
+        mode = _one_fake_mode() if symbolic is None else symbolic.fake_mode
         with (
             timings.stage("capture: make_fx"),
             torch.enable_grad(),
@@ -681,6 +682,30 @@ def _compiling() -> Generator[None]:
             yield
     finally:
         torch.compiler._is_compiling_flag = previous
+
+
+@contextlib.contextmanager
+def _one_fake_mode() -> Generator[None]:
+    """One FakeTensorMode for the metadata of every value a real-mode trace records
+    (each node's ``meta["val"]``), where make_fx makes a mode per value: making one
+    walks the whole Python stack, which was a third of a large model's trace (GPT-2
+    small's step records some 6,600 values). The values are the same fake tensors,
+    now of one mode, as the values of a fake or symbolic trace are."""
+    from torch.fx.experimental import proxy_tensor
+
+    make_mode = proxy_tensor.FakeTensorMode
+    shared = make_mode(allow_fallback_kernels=True)
+
+    def one_mode(**kwargs: Any) -> Any:
+        # Only the mode extract_val makes for a real tensor's value is shared.
+        return (
+            shared
+            if kwargs == {"allow_fallback_kernels": True}
+            else make_mode(**kwargs)
+        )
+
+    with mock.patch.object(proxy_tensor, "FakeTensorMode", one_mode):
+        yield
 
 
 @contextlib.contextmanager
