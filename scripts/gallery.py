@@ -22,10 +22,10 @@ from precompile_gen.codegen.sections import Section, sections_by_key
 from precompile_gen.runtime.load import parse_artifact
 from precompile_gen.tools.inspection import (
     find_kernels,
-    format_report,
     inspect_artifact,
     section_statements,
 )
+from precompile_gen.tools.report_text import format_report
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = Path("docs") / "gallery.md"

@@ -91,7 +91,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from precompile_gen.tools.inspection import format_report, inspect_artifact
+    from precompile_gen.tools.inspection import inspect_artifact
+    from precompile_gen.tools.report_text import format_report
 
     text = _read_artifact(args.artifact)
     try:

@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.utils import prune
 
 import precompile_gen as pg
-from precompile_gen.tools.inspection import format_report, inspect_artifact
+from precompile_gen.tools.inspection import inspect_artifact
+from precompile_gen.tools.report_text import format_report
 
 
 def make_mlp() -> nn.Sequential:

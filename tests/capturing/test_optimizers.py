@@ -17,7 +17,8 @@ from helpers.state_snapshot import StateSnapshot, assert_same_state
 from torch import nn
 
 import precompile_gen as pg
-from precompile_gen.tools.inspection import format_report, inspect_artifact
+from precompile_gen.tools.inspection import inspect_artifact
+from precompile_gen.tools.report_text import format_report
 
 STEPS = 3
 MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]

@@ -245,7 +245,8 @@ def test_the_functions_own_closure_is_recorded_and_named_at_capture(
 
 
 def test_inspect_shows_the_values(tmp_path: object) -> None:
-    from precompile_gen.tools.inspection import format_report, inspect_artifact
+    from precompile_gen.tools.inspection import inspect_artifact
+    from precompile_gen.tools.report_text import format_report
 
     code, _ = pg.precompile(scaled, Scaled(), example(), backend="eager")
     report = format_report(inspect_artifact(code))

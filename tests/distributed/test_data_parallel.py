@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import precompile_gen as pg
 from precompile_gen.distributed import precompile_once
-from precompile_gen.tools.inspection import format_report, inspect_artifact
+from precompile_gen.tools.inspection import inspect_artifact
+from precompile_gen.tools.report_text import format_report
 
 STEPS = 3
 

@@ -37,7 +37,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 import precompile_gen as pg
 from precompile_gen.distributed import precompile_once
-from precompile_gen.tools.inspection import format_report, inspect_artifact
+from precompile_gen.tools.inspection import inspect_artifact
+from precompile_gen.tools.report_text import format_report
 
 WORLD_SIZE = 2
 SHARDED = Shard(0)

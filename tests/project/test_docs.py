@@ -16,7 +16,8 @@ from pathlib import Path
 from helpers.golden import CASES, runtime_parts, split_runtime
 
 from precompile_gen.codegen.render import compose_runtime, render_artifact
-from precompile_gen.tools.inspection import format_report, inspect_artifact
+from precompile_gen.tools.inspection import inspect_artifact
+from precompile_gen.tools.report_text import format_report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = REPO_ROOT / "tests" / "golden"

@@ -39,11 +39,11 @@ from precompile_gen.tools.cli import main
 from precompile_gen.tools.diff import diff_artifacts
 from precompile_gen.tools.inspection import (
     find_kernels,
-    format_report,
     inspect_artifact,
     section_statements,
 )
 from precompile_gen.tools.progress import Progress
+from precompile_gen.tools.report_text import format_report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = REPO_ROOT / "tests" / "golden"
