@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.fx.experimental import proxy_tensor
 
-from precompile_gen.capturing import data_dependent, python_state, update_order
+from precompile_gen.capturing import data_dependent, refusals, update_order
 from precompile_gen.runtime.errors import PrecompileError
 
 _FIX = (
@@ -93,7 +93,7 @@ def recording() -> Generator[Recorded]:
     recorded = Recorded()
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in _recorders(recorded):
-            stack.enter_context(python_state.patched(owner, name, replacement))
+            stack.enter_context(refusals.patched(owner, name, replacement))
         yield recorded
 
 

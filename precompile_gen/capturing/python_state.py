@@ -3,8 +3,9 @@
 make_fx records only tensor operations: a Python value the traced code reads (a
 module's ``temperature``, a config flag, a global ``SCALE``, ``nn.Dropout.p``) is
 built into the graph as a constant, and a Python effect (a counter incremented, an
-entry appended, a global rebound, a draw from ``random`` or NumPy) happens once, at
-capture. Neither shows in the graph, so neither is visible to the driver.
+entry appended, a global rebound) happens once, at capture. Neither shows in the
+graph, so neither is visible to the driver. (A draw from ``random`` or NumPy is
+``refused_draws``' business; the pass refuses it too.)
 
 What was read is learnt from Dynamo's guards, gathered over one extra run of ``fn`` at
 capture on deep copies of the arguments, with numbers specialised as make_fx does:
@@ -22,7 +23,6 @@ import contextlib
 import copy
 import enum
 import logging
-import random
 import re
 import sys
 import sysconfig
@@ -37,11 +37,12 @@ import torch
 from precompile_gen.capture_result import PythonValue
 from precompile_gen.capturing import (
     convention,
-    data_dependent,
     data_parallel,
     graph_names,
+    refusals,
+    refused_draws,
 )
-from precompile_gen.runtime.errors import PrecompileError, listed
+from precompile_gen.runtime.errors import listed
 from precompile_gen.tools import timings
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def observe(
         ):
             compiled(*copies)
     except Exception as error:
-        refusal = _precompile_error_in(error)
+        refusal = refusals.refusal_in(error)
         if refusal is not None:
             raise refusal from None
         if reads.effects:
@@ -253,32 +254,6 @@ def _roots(fn: Callable[..., object], paths: dict[int, tuple[int, str]]) -> set[
     return roots
 
 
-# This module's refusals (an effect, a Python or NumPy draw) are told apart from any
-# other PrecompileError by a mark on the instance rather than by a subclass, so that
-# the type a traceback prints is the public one. The mark keeps the message as
-# written: Dynamo appends to the message of an error raised while it compiles.
-_REFUSAL_MARK = "_precompile_gen_refusal"
-
-
-def _refusal(message: str) -> PrecompileError:
-    error = PrecompileError(message)
-    setattr(error, _REFUSAL_MARK, message)
-    return error
-
-
-def _precompile_error_in(error: BaseException) -> PrecompileError | None:
-    # Dynamo wraps what is raised while it compiles a frame. Only this module's
-    # refusals end the capture here: any other the trace raises again, with the
-    # caller's line, which a frame Dynamo inlined does not have.
-    seen: BaseException | None = error
-    while seen is not None:
-        message = getattr(seen, _REFUSAL_MARK, None)
-        if isinstance(seen, PrecompileError) and isinstance(message, str):
-            return _refusal(message)
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def _name(fn: object) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
@@ -307,7 +282,7 @@ def _dynamo_pass(
     entry, run_eagerly = _pass_entry(copied_fn), _pass_backend()
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in patches:
-            stack.enter_context(patched(owner, name, replacement))
+            stack.enter_context(refusals.patched(owner, name, replacement))
         stack.enter_context(
             torch._dynamo.config.patch(
                 # make_fx builds every number into the graph: so must the guards.
@@ -320,7 +295,7 @@ def _dynamo_pass(
                 fail_on_recompile_limit_hit=True,
             )
         )
-        stack.enter_context(refusing_python_rng(fn))
+        stack.enter_context(refused_draws.refusing_python_rng(fn))
         stack.enter_context(_distribution_validation_kept())
         stack.enter_context(_dynamo_quiet())
         try:
@@ -428,17 +403,6 @@ def _distribution_validation_kept() -> Generator[None]:
         yield
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
-
-
-@contextlib.contextmanager
-def patched(owner: object, name: str, replacement: object) -> Generator[None]:
-    """``owner.name`` is ``replacement`` while the block runs."""
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def _note_effect(reads: _Reads, item: Any, name: str | None) -> None:
@@ -551,7 +515,7 @@ def _effect_target(dynamo_name: str) -> str:
 
 def _refuse_effects(fn: object, effects: list[tuple[str, str]]) -> None:
     target, line = effects[0]
-    raise _refusal(
+    raise refusals.refusal(
         f"{_name(fn)!r} changes Python state that exists outside the call: it writes "
         f"{_in_words(fn, target)} at {line}. The trace would make that write once, "
         "at capture, and the artifact never again, so a counter or a log kept this "
@@ -765,140 +729,3 @@ def _global_path_in(module: str, name: str, steps: list[str]) -> str | None:
         return None
     accessors = "".join(reversed(steps))
     return f"global {name} (module {module}){': ' + accessors if accessors else ''}"
-
-
-# --- Python's and NumPy's generators ------------------------------------------------
-_PYTHON_RNG = (
-    "random",
-    "uniform",
-    "randint",
-    "randrange",
-    "choice",
-    "choices",
-    "sample",
-    "shuffle",
-    "gauss",
-    "normalvariate",
-    "betavariate",
-    "gammavariate",
-    "expovariate",
-    "lognormvariate",
-    "triangular",
-    "vonmisesvariate",
-    "paretovariate",
-    "weibullvariate",
-    "getrandbits",
-    "randbytes",
-    "binomialvariate",
-)
-
-
-@contextlib.contextmanager
-def refusing_python_rng(fn: object) -> Generator[None]:
-    """Refuse draws from Python's ``random`` and NumPy's global generator while ``fn``
-    is traced: the trace would draw once and build the number into the graph, so
-    every call of the artifact would reuse it. Their states are left as they were."""
-    numpy = sys.modules.get("numpy")
-    python_state = random.getstate()
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    targets: list[tuple[object, str, str]] = [
-        (random, name, f"random.{name}")
-        for name in _PYTHON_RNG
-        if hasattr(random, name)
-    ]
-    if numpy is not None:
-        targets += [
-            (numpy.random, name, f"numpy.random.{name}")
-            for name in dir(numpy.random.mtrand._rand)
-            if not name.startswith("_")
-            and name not in ("get_state", "set_state", "seed")
-            and callable(getattr(numpy.random, name, None))
-        ]
-    with contextlib.ExitStack() as stack:
-        for owner, name, label in targets:
-            stack.enter_context(patched(owner, name, _refuser(fn, label)))
-        try:
-            yield
-        finally:
-            drew = random.getstate() != python_state
-            random.setstate(python_state)
-            if numpy is not None:
-                drew = drew or not _same_numpy_state(
-                    numpy.random.get_state(), numpy_state
-                )
-                numpy.random.set_state(numpy_state)
-    if drew:
-        raise _rng_error(fn, "Python's random module or NumPy's global generator", None)
-
-
-def _same_numpy_state(a: Any, b: Any) -> bool:
-    return a[0] == b[0] and bool((a[1] == b[1]).all()) and a[2:] == b[2:]
-
-
-def _refuser(fn: object, label: str) -> Callable[..., object]:
-    import torch._dynamo
-
-    # Run, not traced, by the Dynamo pass: it reads the caller's frame.
-    @torch._dynamo.disable
-    def refuse(*args: object, **kwargs: object) -> object:
-        raise _rng_error(fn, label, data_dependent.user_line(code=False))
-
-    return refuse
-
-
-def torch_generators(
-    modules: Sequence[torch.nn.Module], leaves: Sequence[object]
-) -> list[tuple[torch.Generator, torch.Tensor]]:
-    """The ``torch.Generator`` objects among the input leaves and the modules'
-    attributes, each with its state, for a refused capture to restore: the trace
-    draws from them before the graph shows that it did."""
-    found = {id(leaf): leaf for leaf in leaves if isinstance(leaf, torch.Generator)}
-    for module in modules:
-        for submodule in module.modules():
-            for value in vars(submodule).values():
-                if isinstance(value, torch.Generator):
-                    found[id(value)] = value
-    return [(generator, generator.get_state()) for generator in found.values()]
-
-
-def reject_torch_generators(
-    gm: torch.fx.GraphModule,
-    fn: object,
-    generators: list[tuple[torch.Generator, torch.Tensor]],
-) -> None:
-    """Refuse a graph that draws from a ``torch.Generator`` of the function's own
-    (``generator=g``): the graph holds a copy of that generator, which the eager
-    artifact cannot name and the inductor artifact would draw from apart from the
-    caller's seed."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and any(
-            isinstance(arg, torch.fx.Node)
-            and arg.op == "get_attr"
-            and isinstance(getattr(gm, str(arg.target), None), torch.Generator)
-            for arg in (*node.args, *node.kwargs.values())
-        ):
-            for generator, state in generators:
-                generator.set_state(state)
-            raise _generator_error(fn, node.target)
-
-
-def _generator_error(fn: object, op: object) -> PrecompileError:
-    return _refusal(
-        f"{_name(fn)!r} passes a torch.Generator to {op} (generator=). The artifact "
-        "draws from torch's global generator only, as the call's torch.manual_seed "
-        "sets it; a generator of its own would be built into the artifact and not "
-        "follow the caller's. Leave out generator= (seed with torch.manual_seed "
-        "before the call), or draw outside the function and pass the tensor in as "
-        "an argument."
-    )
-
-
-def _rng_error(fn: object, generator: str, line: str | None) -> PrecompileError:
-    where = f" at {line}" if line else ""
-    return _refusal(
-        f"{_name(fn)!r} draws from {generator}{where}. The trace would draw once and "
-        "build the number into the artifact, which would reuse it on every call. "
-        "Draw with torch's generator instead (torch.rand, torch.distributions), which "
-        "the artifact repeats, or draw outside the function and pass the value in "
-        "as an argument."
-    )

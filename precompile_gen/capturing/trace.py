@@ -56,6 +56,7 @@ from precompile_gen.capturing import (
     python_state,
     pytree_types,
     records,
+    refused_draws,
     sparse_gradients,
     tensor_literals,
     update_order,
@@ -218,7 +219,7 @@ def _trace_path(capture: _Capture, forced: tuple[bool, ...]) -> branches.PathTra
     inputs = graph_inputs.lay_out(lifted, user, backend)
     harvest = records.Harvest(grad_enabled=torch.is_grad_enabled())
     flat_fn = _flat_function(capture, lifted, user, inputs, harvest)
-    generators = python_state.torch_generators(call.modules, user.leaves)
+    generators = refused_draws.torch_generators(call.modules, user.leaves)
     # A fully_shard model's trace runs on local shards (``fully_sharded``).
     on_shards = (
         dtensors.on_local_shards(flat_fn, inputs.flat_args)
@@ -239,7 +240,7 @@ def _trace_path(capture: _Capture, forced: tuple[bool, ...]) -> branches.PathTra
             harvest.raised_by_fn,
             on_shards,
         )
-    python_state.reject_torch_generators(gm, fn, generators)
+    refused_draws.reject_torch_generators(gm, fn, generators)
     graph_checks.check_graph_ops(gm)
     state = _PathState(
         lifted, user, inputs, harvest, on_shards, _mutated_inputs(gm, inputs)
@@ -464,7 +465,7 @@ def _make_fx(
             mode,
             _compiling(),
             _rnns_step_by_step(),
-            python_state.refusing_python_rng(fn),
+            refused_draws.refusing_python_rng(fn),
             generator_states.recording() as recorded,
             data_parallel.functional_collectives(),
             contextlib.nullcontext()
