@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 import precompile_gen as pg
 from precompile_gen.capturing.trace import trace
-from precompile_gen.lowering import lower
+from precompile_gen.lowering import graph_rewrites
 
 BACKENDS = ["eager", "inductor"]
 # float64 steps agree with eager to its own rounding, not float32's.
@@ -573,7 +573,7 @@ def test_a_convolution_step_lays_each_operand_out_once() -> None:
     model = ConvBlock()
     example = (model, *adamw(model), batch(2, 3, 8, 8))
     gm = trace(conv_step, example, backend="inductor").gm
-    lower._channels_last_once(gm)
+    graph_rewrites.channels_last_once(gm)
     aten = torch.ops.aten
     copies = gm.graph.find_nodes(op="call_function", target=aten.clone.default)
     copied = [copy.args[0] for copy in copies]
@@ -600,8 +600,8 @@ def test_a_weights_gradient_is_laid_out_as_the_weight() -> None:
     model = ConvBlock()
     example = (model, *adamw(model), batch(2, 3, 8, 8))
     gm = trace(conv_step, example, backend="inductor").gm
-    lower._channels_last_once(gm)
-    lower._weight_gradients_in_weight_layout(gm)
+    graph_rewrites.channels_last_once(gm)
+    graph_rewrites.weight_gradients_in_weight_layout(gm)
     backward = gm.graph.find_nodes(
         op="call_function", target=torch.ops.aten.convolution_backward.default
     )
@@ -635,7 +635,7 @@ def test_a_channels_last_copy_is_read_only_until_its_tensor_is_written() -> None
 
     x, w, g = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(2, 4, 4, 4)
     gm = make_fx(step)(x, w.clone(), g)
-    lower._channels_last_once(gm)
+    graph_rewrites.channels_last_once(gm)
     assert gm.graph.find_nodes(op="call_function", target=aten.clone.default)
     expected, got = step(x, w.clone(), g), gm(x, w.clone(), g)
     for a, b in zip(got, expected, strict=True):
