@@ -17,7 +17,9 @@ is all of that:
   Triton read.
 
 A change to any of these misses. What the key cannot see is not cached at all: a
-graph traced on fakes (mark_unbacked dims), on DTensors, or over process groups.
+graph traced on fakes (mark_unbacked dims), on DTensors, or over process groups, and
+a graph that calls an op torch does not define (a library's or the user's own,
+whose kernel and fake implementation are code the key does not hold).
 
 Entries live in Inductor's cache folder, beside the kernels it compiles and its own
 graph cache, whose trust they share: like Inductor's entries they are pickles, so a
@@ -69,7 +71,7 @@ def key(traced: TracedGraph) -> str | None:
     """The key of ``traced``'s inductor lowering, or None where it is not cached."""
     if not enabled() or traced.local_shards is not None:
         return None
-    if data_parallel.graph_groups(traced.gm):
+    if data_parallel.graph_groups(traced.gm) or not _torch_ops_only(traced.gm):
         return None
     tensors = _tensor_records(traced.flat_args)
     if tensors is None:
@@ -128,6 +130,37 @@ def _folder() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / "precompile_gen" / "lowering"
+
+
+# The op namespaces whose kernels and shapes torch's build decides (which the key
+# holds); an op of another library's, or the user's (torch.library), has its
+# implementation and fake kernel in code the key does not see.
+_TORCH_NAMESPACES = frozenset(
+    {"aten", "prims", "higher_order", "_c10d_functional", "c10d_functional", "_dtensor"}
+)
+
+
+def _torch_ops_only(gm: torch.fx.GraphModule) -> bool:
+    """Whether every op the graph (and its branches) calls is torch's own."""
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            target = node.target
+            namespace = getattr(target, "namespace", None)
+            if namespace is not None:
+                if namespace not in _TORCH_NAMESPACES:
+                    return False
+            elif not getattr(target, "__module__", "").startswith(_TORCH_MODULES):
+                return False
+    return True
+
+
+# Functions a graph calls that are not ops: Python's operators (getitem on a
+# result's tuple) and torch's own Python functions.
+_TORCH_MODULES = ("_operator", "operator", "torch.", "builtins")
 
 
 def _tensor_records(flat_args: list[object]) -> str | None:

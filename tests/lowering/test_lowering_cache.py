@@ -114,10 +114,22 @@ def test_the_same_ops_from_other_lines_share_the_key() -> None:
     assert first == key_of(lambda m, x: m(x).relu(), model(), x)
 
 
+@torch.library.custom_op("precompile_gen_tests::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@scaled.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def test_what_the_key_cannot_see_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(5, 4)
     mark_unbacked(x, 0)
     assert key_of(predict, model(), x) is None
+    # An op of the user's own: its kernel and fake implementation are their code.
+    assert key_of(lambda m, x: scaled(m(x)), model(), torch.randn(5, 4)) is None
     monkeypatch.setenv("PRECOMPILE_GEN_LOWERING_CACHE", "0")
     assert key_of(predict, model(), torch.randn(5, 4)) is None
     monkeypatch.setenv("PRECOMPILE_GEN_LOWERING_CACHE", "1")
