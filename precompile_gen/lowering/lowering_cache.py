@@ -30,6 +30,7 @@ lower every capture afresh.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -115,15 +116,23 @@ def load(entry: str) -> tuple[CompiledGraph, KernelPayload] | None:
 
 
 def store(entry: str, graph: CompiledGraph, payload: KernelPayload) -> None:
-    """Keep a lowering under ``entry``; a folder that cannot be written is skipped."""
+    """Keep a lowering under ``entry``. Keeping it is never worth failing the
+    capture for: a folder that cannot be written, or a lowering that cannot be
+    pickled, is skipped (and no partial entry is left)."""
     folder = _folder()
+    written: Path | None = None
     try:
+        data = pickle.dumps((_FORMAT, entry, graph, payload))
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, delete=False) as out:
-            out.write(pickle.dumps((_FORMAT, entry, graph, payload)))
-        os.replace(out.name, folder / f"{entry}.pickle")
-    except OSError as error:
-        log.debug("lowering cache not written to %s: %s", folder, error)
+            written = Path(out.name)
+            out.write(data)
+        written.replace(folder / f"{entry}.pickle")
+    except Exception as error:
+        log.debug("lowering cache entry not written to %s: %s", folder, error)
+        if written is not None:
+            with contextlib.suppress(OSError):
+                written.unlink()
 
 
 def _folder() -> Path:

@@ -179,3 +179,23 @@ def test_an_unreadable_entry_is_lowered_again(
     assert calls == [1]
     assert lowering_cache.load(entry) is not None
     torch.testing.assert_close(pg.load(code, cache)(model(), x), predict(model(), x))
+
+
+def test_a_lowering_that_cannot_be_kept_leaves_the_capture_as_it_is(
+    kept_in: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A file where the folder should be: the entry cannot be written.
+    kept_in.parent.mkdir(parents=True, exist_ok=True)
+    kept_in.write_text("not a folder", encoding="utf-8")
+    x = torch.randn(2, 4)
+    code, cache = pg.precompile(predict, model(), x)
+    torch.testing.assert_close(pg.load(code, cache)(model(), x), predict(model(), x))
+    assert kept_in.read_text(encoding="utf-8") == "not a folder"
+
+    def unpicklable(*args: object, **kwargs: object) -> bytes:
+        raise TypeError("cannot pickle")
+
+    kept_in.unlink()
+    monkeypatch.setattr(lowering_cache.pickle, "dumps", unpicklable)
+    assert pg.precompile(predict, model(), x) == (code, cache)
+    assert not kept_in.exists()
