@@ -252,7 +252,7 @@ class GraphSection:
     branches: list[str]
 
 
-def graph_section(cap: CaptureResult) -> GraphSection:
+def graph_section(cap: CaptureResult, features: DriverFeatures) -> GraphSection:
     graph = cap.graph
     made = graph.backend_graph
     eager = made if isinstance(made, EagerGraph) else EagerGraph([])
@@ -263,6 +263,7 @@ def graph_section(cap: CaptureResult) -> GraphSection:
         if rewrite.original != inductor_imports.AUTOTUNING_BLOCK
     ]
     stand_ins = {rewrite.stand_in for rewrite in rewritten}
+    inputs, outputs = _input_groups(cap, features), _output_groups(features)
     return GraphSection(
         import_blocks=statement_blocks(eager.imports),
         rewritten_imports=rewritten,
@@ -280,8 +281,10 @@ def graph_section(cap: CaptureResult) -> GraphSection:
             ]
         ],
         redefined_call=inductor.redefined_call,
-        call_docstring=_call_docstring(cap),
-        call_comment=_call_comment(cap),
+        call_docstring=docstring(
+            f"Run the captured graph on ``{inputs}``; return ``{outputs}``.", indent=4
+        ),
+        call_comment=_call_comment(inputs, outputs, features),
         input_rows=_input_rows(cap, inductor.positional_names),
         tensor_literals=graph.tensor_literals,
         positional_names=inductor.positional_names,
@@ -369,51 +372,42 @@ def _kernel_entry(kernel: KernelEntry) -> str:
     return f"{size}: {', '.join(op.removeprefix('aten.') for op in kernel.aten_ops)}"
 
 
-def _call_docstring(cap: CaptureResult) -> list[str]:
-    return docstring(
-        f"Run the captured graph on ``{_input_groups(cap)}``; return "
-        f"``{_output_groups(cap)}``.",
-        indent=4,
-    )
-
-
-def _call_comment(cap: CaptureResult) -> list[str]:
+def _call_comment(inputs: str, outputs: str, features: DriverFeatures) -> list[str]:
     updates = (
         ", updates the parameters and the optimizer state in place, and "
-        if cap.convention.optimizers
+        if features.optimizers
         else " and "
     )
     return comment_lines(
         "Spliced from aot_autograd.compile_to_python. `call(flat_inputs)` takes "
-        f"`{_input_groups(cap)}`{updates}returns `{_output_groups(cap)}`."
+        f"`{inputs}`{updates}returns `{outputs}`."
     )
 
 
-def _output_groups(cap: CaptureResult) -> str:
+def _output_groups(features: DriverFeatures) -> str:
     """The graph's outputs as groups, in the order the driver takes them apart: the
     function's own, the gradients it adds to .grad, the dense pieces it builds
     sparse gradients from, whether the call's path took the step."""
-    conv = cap.convention
     groups = ["*function_outputs"]
-    if conv.grad_param_indices:
+    if features.gradients:
         groups.append("*parameter_gradients")
-    if conv.sparse_gradients is not None:
+    if features.sparse_gradients:
         groups.append("*sparse_gradient_pieces")
-    if conv.skippable_step:
+    if features.skippable_step:
         groups.append("step_taken")
     return f"[{', '.join(groups)}]"
 
 
-def _input_groups(cap: CaptureResult) -> str:
+def _input_groups(cap: CaptureResult, features: DriverFeatures) -> str:
     """The graph's inputs as groups, in the order ``_input_roles`` lists them one by
     one: those the capture has beyond the module state and the input leaves."""
-    conv = cap.convention
     groups = ["*params", "*buffers", "*user_input_leaves"]
-    if conv.optimizers:
+    if features.optimizers:
         groups += ["*optimizer_state", "*lrs"]
-    if any(group.values for optimizer in conv.optimizers for group in optimizer.groups):
+    optimizers = cap.convention.optimizers
+    if any(group.values for optimizer in optimizers for group in optimizer.groups):
         groups.append("*group_values")
-    if cap.graph.tensor_literals:
+    if features.tensor_literals:
         groups.append("*tensor_literals")
     return f"[{', '.join(groups)}]"
 
@@ -614,7 +608,7 @@ def artifact_plan(cap: CaptureResult) -> ArtifactPlan:
             value_branches=conv.value_branches,
         ),
         graph_template=f"{cap.backend}_graph.py.j2",
-        graph=graph_section(cap),
+        graph=graph_section(cap, features),
         metadata=metadata_entries(cap),
         driver_template=f"{cap.backend}_driver.py.j2",
         features=features,
