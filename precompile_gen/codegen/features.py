@@ -10,6 +10,7 @@ use. An artifact carries only the checks and the work its capture calls for.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from precompile_gen.capture_result import CaptureResult
@@ -142,31 +143,30 @@ FEATURES: tuple[Feature, ...] = (
 FEATURE_NAMES = frozenset(feature.name for feature in FEATURES)
 
 
+@dataclass(frozen=True)
 class DriverFeatures:
     """The features a capture has: ``features.gradients`` and the like, by their
     names in ``FEATURES``, read by the templates and the plan."""
 
-    def __init__(self, names: frozenset[str]) -> None:
-        unknown = names - FEATURE_NAMES
+    names: frozenset[str]
+
+    def __post_init__(self) -> None:
+        unknown = self.names - FEATURE_NAMES
         if unknown:
-            raise ValueError(f"unknown driver features: {sorted(unknown)}")
-        self.names = names
+            raise ValueError(
+                f"unknown driver features {sorted(unknown)}: a feature is an entry of "
+                "FEATURES in precompile_gen/codegen/features.py."
+            )
 
     def __getattr__(self, name: str) -> bool:
         # Only for names that are not attributes: a feature's, or a mistake, which
         # the templates' StrictUndefined reports.
         if name not in FEATURE_NAMES:
-            raise AttributeError(f"no driver feature is named {name!r}")
+            raise AttributeError(
+                f"no driver feature is named {name!r}: add its entry to FEATURES "
+                "in precompile_gen/codegen/features.py, or read one it has."
+            )
         return name in self.names
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, DriverFeatures) and other.names == self.names
-
-    def __hash__(self) -> int:
-        return hash(self.names)
-
-    def __repr__(self) -> str:
-        return f"DriverFeatures({sorted(self.names)})"
 
     def parts(self) -> set[str]:
         """The runtime support's parts these features' steps call."""
