@@ -36,7 +36,6 @@ import hashlib
 import logging
 import os
 import pickle
-import platform
 import re
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from precompile_gen.capture_result import CompiledGraph, KernelPayload
 from precompile_gen.capturing import data_parallel
 from precompile_gen.capturing.trace import TracedGraph
 from precompile_gen.lowering import kernel_builds
+from precompile_gen.runtime import kernel_binaries
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +244,11 @@ def _environment() -> str:
         repr(
             (
                 _package_digest(),
-                torch.__version__,
+                # What a kernel binary needs of the process, and on top torch's and
+                # Python's own builds, which one version number may name twice.
+                sorted(kernel_binaries.build_fingerprint().items()),
                 torch.version.git_version,
                 sys.version,
-                platform.machine(),
                 sorted(kernel_builds.toolchain().items()),
                 sorted(inductor_config.save_config_portable().items()),
                 sorted(functorch_config.save_config_portable().items()),
