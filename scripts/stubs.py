@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     from helpers.stubs import write_stubs
 
     if args.out_dir.exists() and not args.out_dir.is_dir():
-        parser.error(f"{args.out_dir} is not a folder")
+        parser.error(
+            f"{args.out_dir} is a file, not a folder: pass a folder for the stubs "
+            "(one that does not exist yet is created)."
+        )
     for path in write_stubs(args.out_dir):
         print(path)
     return 0

@@ -99,6 +99,21 @@ def test_stubs_script_writes_black_formatted_modules(tmp_path: Path) -> None:
         assert format_python(text) == text
 
 
+def test_stubs_script_refuses_a_file_for_its_folder(tmp_path: Path) -> None:
+    not_a_folder = tmp_path / "stubs"
+    not_a_folder.write_text("", encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "stubs.py"), str(not_a_folder)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and not done.stdout
+    for text in (f"{not_a_folder} is a file, not a folder", "pass a folder"):
+        assert text in done.stderr, done.stderr
+    assert not_a_folder.read_text(encoding="utf-8") == ""
+
+
 def test_pyrefly_finds_no_errors_in_stubs(tmp_path: Path) -> None:
     write_stubs(tmp_path)
     files = [str(p) for p in sorted(tmp_path.glob("*.py"))]
