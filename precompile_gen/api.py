@@ -70,8 +70,9 @@ def precompile(
         )
     if artifact_path is not None and cache_path is not None:
         check_pair_paths(artifact_path, cache_path)
-    name = getattr(fn, "__name__", type(fn).__name__)
-    with timings.recording(f"precompile of {name!r} (backend {backend!r})"):
+    with timings.recording(
+        f"precompile of {function_name(fn)!r} (backend {backend!r})"
+    ):
         cap = capture(
             fn,
             *example_inputs,

@@ -42,6 +42,7 @@ from precompile_gen.capturing import (
     refusals,
     refused_draws,
 )
+from precompile_gen.capturing.graph_inputs import function_name
 from precompile_gen.runtime.errors import listed
 from precompile_gen.tools import timings
 
@@ -121,7 +122,7 @@ def observe(
             "check, since the artifact is not given the function: %s. Pass them as "
             "arguments, or keep them as module attributes or globals, to have them "
             "checked.",
-            _name(fn),
+            function_name(fn),
             listed(reads.unresolved, str),
         )
     return sorted(reads.values.values())
@@ -254,16 +255,12 @@ def _roots(fn: Callable[..., object], paths: dict[int, tuple[int, str]]) -> set[
     return roots
 
 
-def _name(fn: object) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
 def _warn_unrecorded(fn: object, why: str) -> None:
     log.warning(
         "the Python values %r reads (module attributes, config fields, globals) "
         "could not be recorded, because %s: the artifact keeps the values it was "
         "traced with and cannot check them at call time.",
-        _name(fn),
+        function_name(fn),
         why,
     )
 
@@ -515,8 +512,9 @@ def _effect_target(dynamo_name: str) -> str:
 
 def _refuse_effects(fn: object, effects: list[tuple[str, str]]) -> None:
     target, line = effects[0]
+    name = function_name(fn)
     raise refusals.refusal(
-        f"{_name(fn)!r} changes Python state that exists outside the call: it writes "
+        f"{name!r} changes Python state that exists outside the call: it writes "
         f"{_in_words(fn, target)} at {line}. The trace would make that write once, "
         "at capture, and the artifact never again, so a counter or a log kept this "
         "way would silently stop changing. Move the write out of the function "
@@ -697,7 +695,8 @@ def _closure_path(
     else:
         raise _Unresolved(name)
     rest = "".join(accessors)
-    return f"closure variable {name} of {_name(fn)}{': ' + rest if rest else ''}"
+    owner = function_name(fn)
+    return f"closure variable {name} of {owner}{': ' + rest if rest else ''}"
 
 
 def _global_path(
